@@ -1,0 +1,63 @@
+"""rrefrt's error tree. Every error the runtime raises derives from ``RpcError``.
+
+Leaf module: imports nothing from rrefrt.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RpcError",
+    "RpcTimeoutError",
+    "WorkerUnavailableError",
+    "OwnerDiedError",
+    "RRefLeakError",
+    "SerializationError",
+    "ShutdownError",
+    "RemoteError",
+    "RRefCreationError",
+]
+
+
+class RpcError(RuntimeError):
+    """Base class of every rrefrt error."""
+
+
+class RpcTimeoutError(RpcError, TimeoutError):
+    """A call, ``to_here()`` or wait ran past its timeout."""
+
+
+class WorkerUnavailableError(RpcError):
+    """The destination is unknown, not joined, or dead."""
+
+
+class OwnerDiedError(WorkerUnavailableError):
+    """The owner of an RRef died; its value is gone."""
+
+
+class RRefLeakError(RpcError):
+    """Raised by ``shutdown(graceful=True)`` with ``strict_rref_leaks=True``."""
+
+    def __init__(self, message: str, leaks: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.leaks = list(leaks or [])
+
+
+class SerializationError(RpcError, TypeError):
+    """Something could not be pickled, sent or decoded."""
+
+
+class ShutdownError(RpcError):
+    """The runtime is not running: used before ``init_rpc`` or after ``shutdown``."""
+
+
+class RemoteError(RpcError):
+    """A remote exception whose type could not be rebuilt on this worker."""
+
+    def __init__(self, message: str, remote_type: str = "", worker: str = "") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.worker = worker
+
+
+class RRefCreationError(RpcError):
+    """The value of an RRef was never created (the creating call failed or was lost)."""

@@ -1,0 +1,109 @@
+"""Options and worker identity: ``RpcBackendOptions``, ``WorkerInfo``, ``BackendType``.
+
+Leaf module: imports nothing from rrefrt but errors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo", "BackendType"]
+
+
+class BackendType(enum.Enum):
+    """Accepted for drop-in compatibility; rrefrt has one backend."""
+
+    TENSORPIPE = "TENSORPIPE"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker of the group: its unique ``name`` and ``id`` (its rank). Hashable."""
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+def _device_str(d: Any) -> str:
+    if isinstance(d, int):
+        return f"cuda:{d}"
+    return str(d)
+
+
+class RpcBackendOptions:
+    """Options of ``init_rpc``. ``timeout``-like fields are seconds.
+
+    ``_transports`` and ``_channels`` are TensorPipe's and are ignored.
+    """
+
+    def __init__(
+        self,
+        *,
+        init_method: str = "env://",
+        rpc_timeout: float = 60.0,
+        num_worker_threads: int = 16,
+        device_maps: dict[str, dict[Any, Any]] | None = None,
+        devices: list[Any] | None = None,
+        init_timeout: float = 300.0,
+        shutdown_timeout: float = 30.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 3.0,
+        strict_rref_leaks: bool = False,
+        max_message_size: int = 1 << 31,
+        _transports: Any = None,
+        _channels: Any = None,
+    ) -> None:
+        if not isinstance(init_method, str) or not (
+            init_method.startswith("env://") or init_method.startswith("tcp://")
+        ):
+            raise ValueError(f"init_method must be 'env://' or 'tcp://host:port', got {init_method!r}")
+        for label, value in (
+            ("rpc_timeout", rpc_timeout),
+            ("init_timeout", init_timeout),
+            ("shutdown_timeout", shutdown_timeout),
+        ):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{label} must be a number of seconds >= 0, got {value!r}")
+        if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+        if not heartbeat_interval > 0 or not heartbeat_timeout > 0:
+            raise ValueError("heartbeat_interval and heartbeat_timeout must be > 0")
+        self.init_method = init_method
+        self.rpc_timeout = float(rpc_timeout)
+        self.num_worker_threads = num_worker_threads
+        self.device_maps: dict[str, dict[str, str]] = {}
+        for to, dmap in (device_maps or {}).items():
+            self.set_device_map(to, dmap)
+        self.devices = [_device_str(d) for d in (devices or [])]
+        self.init_timeout = float(init_timeout)
+        self.shutdown_timeout = float(shutdown_timeout)
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.strict_rref_leaks = bool(strict_rref_leaks)
+        self.max_message_size = int(max_message_size)
+
+    def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
+        """Tensors on caller device ``k`` arrive on callee ``to``'s device ``device_map[k]``."""
+        if not isinstance(device_map, dict):
+            raise TypeError(f"device_map must be a dict, got {type(device_map).__name__}")
+        mapped = {_device_str(k): _device_str(v) for k, v in device_map.items()}
+        if len(set(mapped.values())) != len(mapped):
+            raise ValueError(f"device_map to {to!r} maps two devices onto one: {device_map!r}")
+        self.device_maps.setdefault(to, {}).update(mapped)
+
+    def set_devices(self, devices: list[Any]) -> None:
+        self.devices = [_device_str(d) for d in devices]
+
+    def __repr__(self) -> str:
+        return (
+            f"RpcBackendOptions(init_method={self.init_method!r}, rpc_timeout={self.rpc_timeout}, "
+            f"num_worker_threads={self.num_worker_threads}, shutdown_timeout={self.shutdown_timeout})"
+        )
+
+
+TensorPipeRpcBackendOptions = RpcBackendOptions

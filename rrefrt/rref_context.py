@@ -1,0 +1,443 @@
+"""The RRef context: who owns what, who holds which fork, what is still in flight.
+
+Owns: the protocol state of one worker (owners, forks, users, pending children) and its
+invariants. Imports from rrefrt: ids, messages, errors. Performs no I/O and never calls
+user code: each event method updates the maps under ``_lock`` and returns the actions
+(``messages.ForkRequest`` ...) for its caller to perform after the lock is released.
+
+Rule 1: never send, wait or run a destructor while holding ``_lock``. Values leave through
+        ``Release`` actions so their destructors run in the caller, outside the lock.
+Rule 2: G1 - a user sends RREF_USER_DELETE only once its fork is confirmed by the owner and
+        no child it forked is still unconfirmed (the parent's fork keeps the owner's value
+        alive while the child's fork request is in flight).
+Rule 3: G2 - the owner drops an OwnerRecord only when no fork references it; forks sent by
+        the owner are registered before the message leaves (early fork registration), forks
+        sent by a user stay covered by the parent's own fork until the child accepts.
+Rule 4: G3 - when a worker dies its forks are dropped on every owner, its pending children
+        count as accepted, and every user of an RRef it owned fails with OwnerDiedError.
+Rule 5: every wait has a deadline (``wait_*``); see docs/protocol.md for the full statement.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import OwnerDiedError, RpcError
+from .ids import ForkId, IdGenerator, RRefId
+from .messages import (
+    Action,
+    ChildAccept,
+    ForkData,
+    ForkRequest,
+    Release,
+    ServeFetch,
+    UserDelete,
+)
+
+PENDING, READY, FAILED = "pending", "ready", "failed"
+
+
+@dataclass(eq=False)
+class OwnerRecord:
+    """The value of an RRef on its owner."""
+
+    rref_id: RRefId
+    type_name: str = "object"
+    state: str = PENDING  #: pending -> ready | failed (set once)
+    value: Any = None
+    error: BaseException | None = None
+    created: bool = False  #: the creating call (or RRef(value)) has reached this worker
+    waiters: list[tuple[int, int]] = field(default_factory=list)  #: fetches (src, msg_id) before the value
+
+
+@dataclass(eq=False)
+class UserRecord:
+    """One fork of an RRef held by this (non-owner) worker."""
+
+    rref_id: RRefId
+    fork_id: ForkId
+    owner: int
+    parent: int
+    type_name: str = "object"
+    confirmed: bool = False  #: the owner has registered this fork
+    alive: bool = True  #: the Python RRef object still exists
+    children: int = 0  #: forks passed on from this one and not yet accepted
+    error: BaseException | None = None  #: creation failure / owner death, raised on next use
+    creation_deadline: float | None = None  #: remote(timeout): confirmation expected before
+    closed_by_shutdown: bool = False
+    site: str = ""  #: where the Python object was created (strict leak checks)
+
+
+class RRefContext:
+    def __init__(self, worker_id: int, ids: IdGenerator) -> None:
+        self.worker_id = worker_id
+        self.ids = ids
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        #: rref id -> record; an owned RRef is here while some fork references it, or while
+        #: it is a placeholder (a fetch/fork request arrived before its creating call).
+        self.owners: dict[RRefId, OwnerRecord] = {}
+        #: rref id -> {fork id -> holder worker}; registered on PYTHON_REMOTE, on a fork
+        #: request, or by the owner before it sends a fork; removed on RREF_USER_DELETE or
+        #: when the holder dies.
+        self.forks: dict[RRefId, dict[ForkId, int]] = {}
+        #: fork id -> record; forks held here whose owner has not confirmed them yet. Leave
+        #: for confirmed_users on REMOTE_RET / the fork request's ack.
+        self.pending_users: dict[ForkId, UserRecord] = {}
+        #: fork id -> record; confirmed forks held here. Leave for deleting_users when the
+        #: Python object is gone (and no child is pending), or when the owner dies.
+        self.confirmed_users: dict[ForkId, UserRecord] = {}
+        #: fork id -> record; RREF_USER_DELETE sent, its ack not yet received.
+        self.deleting_users: dict[ForkId, UserRecord] = {}
+        #: child fork id -> (parent record, child worker); forks this worker sent to another
+        #: user and that child has not accepted. Leave on RREF_CHILD_ACCEPT or child death.
+        self.pending_children: dict[ForkId, tuple[UserRecord, int]] = {}
+        self.dead: set[int] = set()  #: workers declared dead
+
+    # ------------------------------------------------------------------ user side
+    def new_remote_user(self, owner: int, type_name: str = "object", timeout: float = 0.0) -> UserRecord:
+        """remote() to another worker: a pending user whose fork id is the RRef id."""
+        rid = self.ids.new()
+        rec = UserRecord(rid, rid, owner, parent=owner, type_name=type_name)
+        if timeout > 0:
+            rec.creation_deadline = time.monotonic() + timeout
+        with self._lock:
+            if owner in self.dead:
+                rec.error = OwnerDiedError(f"owner worker {owner} of RRef {rid} is dead")
+                return rec
+            self.pending_users[rid] = rec
+        return rec
+
+    def on_remote_ret(self, fork_id: ForkId, error: BaseException | None) -> list[Action]:
+        with self._lock:
+            rec = self.pending_users.get(fork_id)
+            if rec is None:
+                return []
+            if error is not None and rec.error is None:
+                rec.error = error
+            return self._confirm(rec)
+
+    def on_fork_request_ack(self, fork_id: ForkId) -> list[Action]:
+        with self._lock:
+            rec = self.pending_users.get(fork_id)
+            if rec is None:
+                return []
+            actions = self._confirm(rec)
+            actions.insert(0, ChildAccept(rec.parent, fork_id))
+            return actions
+
+    def _confirm(self, rec: UserRecord) -> list[Action]:
+        del self.pending_users[rec.fork_id]
+        rec.confirmed = True
+        self.confirmed_users[rec.fork_id] = rec
+        self._changed.notify_all()
+        return self._maybe_delete(rec)
+
+    def _maybe_delete(self, rec: UserRecord) -> list[Action]:
+        """G1: delete once the Python object is gone, confirmed, and no child pending."""
+        if rec.alive or not rec.confirmed or rec.children or rec.fork_id not in self.confirmed_users:
+            return []
+        del self.confirmed_users[rec.fork_id]
+        self._changed.notify_all()
+        if rec.owner in self.dead:
+            return []
+        self.deleting_users[rec.fork_id] = rec
+        return [UserDelete(rec.owner, rec.rref_id, rec.fork_id)]
+
+    def user_dropped(self, fork_id: ForkId) -> list[Action]:
+        """The Python object of a user fork went away (its __del__ enqueued this)."""
+        with self._lock:
+            rec = self.pending_users.get(fork_id) or self.confirmed_users.get(fork_id)
+            if rec is None or not rec.alive:
+                return []
+            rec.alive = False
+            return self._maybe_delete(rec)
+
+    def on_user_delete_ack(self, fork_id: ForkId) -> None:
+        with self._lock:
+            if self.deleting_users.pop(fork_id, None) is not None:
+                self._changed.notify_all()
+
+    def on_child_accept(self, fork_id: ForkId) -> list[Action]:
+        with self._lock:
+            entry = self.pending_children.pop(fork_id, None)
+            if entry is None:
+                return []
+            parent, _ = entry
+            parent.children -= 1
+            self._changed.notify_all()
+            return self._maybe_delete(parent)
+
+    # ------------------------------------------------------------------ forks in messages
+    def fork_owned(self, record: OwnerRecord, dest: int) -> ForkData:
+        """The owner sends its RRef to ``dest``: register the fork before it leaves (G2)."""
+        with self._lock:
+            if dest == self.worker_id:
+                return ForkData(record.rref_id, record.rref_id, self.worker_id, self.worker_id, record.type_name)
+            fid = self.ids.new()
+            self.owners[record.rref_id] = record
+            self.forks.setdefault(record.rref_id, {})[fid] = dest
+            return ForkData(record.rref_id, fid, self.worker_id, self.worker_id, record.type_name)
+
+    def fork_user(self, rec: UserRecord, dest: int) -> ForkData:
+        """A user sends its RRef to ``dest``: keep its own fork until the child accepts."""
+        fid = self.ids.new()
+        with self._lock:
+            if rec.error is not None:
+                raise rec.error
+            if rec.fork_id not in self.pending_users and rec.fork_id not in self.confirmed_users:
+                raise RpcError(f"RRef {rec.rref_id} (fork {rec.fork_id}) was already deleted on this worker")
+            rec.children += 1
+            self.pending_children[fid] = (rec, dest)
+            return ForkData(rec.rref_id, fid, rec.owner, self.worker_id, rec.type_name)
+
+    def abort_fork(self, data: ForkData) -> list[Action]:
+        """A message carrying ``data`` was never sent (serialization or send failed)."""
+        if data.owner == self.worker_id:
+            with self._lock:
+                return self._drop_fork(data.rref_id, data.fork_id)
+        return self.on_child_accept(data.fork_id)
+
+    def on_fork_received(
+        self, data: ForkData, sender: int
+    ) -> tuple[OwnerRecord | UserRecord, list[Action]]:
+        """A message from ``sender`` carried ``data``: return the record the new RRef object
+        refers to, and the protocol messages to send."""
+        with self._lock:
+            if data.owner == self.worker_id:
+                rec = self._owner_record(data.rref_id, data.type_name)
+                actions: list[Action] = []
+                if data.parent != self.worker_id:
+                    actions.append(ChildAccept(data.parent, data.fork_id))
+                return rec, actions
+            user = UserRecord(data.rref_id, data.fork_id, data.owner, data.parent, data.type_name)
+            if data.owner in self.dead:
+                user.error = OwnerDiedError(f"owner worker {data.owner} of RRef {data.rref_id} is dead")
+                user.confirmed = True
+                actions = [ChildAccept(data.parent, data.fork_id)] if data.parent != data.owner else []
+                return user, actions
+            if data.parent == data.owner:
+                user.confirmed = True
+                self.confirmed_users[data.fork_id] = user
+                return user, []
+            self.pending_users[data.fork_id] = user
+            return user, [ForkRequest(data.owner, data.rref_id, data.fork_id, data.parent)]
+
+    # ------------------------------------------------------------------ owner side
+    def _owner_record(self, rref_id: RRefId, type_name: str = "object") -> OwnerRecord:
+        rec = self.owners.get(rref_id)
+        if rec is None:
+            rec = OwnerRecord(rref_id, type_name)
+            self.owners[rref_id] = rec
+        return rec
+
+    def new_local_owner(self, value: Any, type_name: str) -> OwnerRecord:
+        """RRef(value) or remote() to self: a record not yet in ``owners`` (no fork yet)."""
+        rec = OwnerRecord(self.ids.new(), type_name, created=True)
+        if value is not _NO_VALUE:
+            rec.state, rec.value = READY, value
+        return rec
+
+    def on_remote_request(self, rref_id: RRefId, fork_id: ForkId, creator: int, type_name: str) -> OwnerRecord:
+        """PYTHON_REMOTE arrived: register the creator's fork; the value follows."""
+        with self._lock:
+            rec = self._owner_record(rref_id, type_name)
+            rec.created = True
+            self.forks.setdefault(rref_id, {})[fork_id] = creator
+            return rec
+
+    def set_value(self, rec: OwnerRecord, value: Any = None, error: BaseException | None = None) -> list[Action]:
+        with self._lock:
+            if rec.state != PENDING:
+                return []
+            if error is None:
+                rec.state, rec.value = READY, value
+            else:
+                rec.state, rec.error = FAILED, error
+            waiters, rec.waiters = rec.waiters, []
+            self._changed.notify_all()
+            actions: list[Action] = [ServeFetch(src, mid, rec) for src, mid in waiters]
+            if not self.forks.get(rec.rref_id) and self.owners.get(rec.rref_id) is rec and rec.created:
+                del self.owners[rec.rref_id]
+                actions.append(Release(rec))
+            return actions
+
+    def on_fetch(self, rref_id: RRefId, src: int, msg_id: int) -> ServeFetch | None:
+        """Serve now (returned) or when the value is set (remembered, no thread parked)."""
+        with self._lock:
+            rec = self._owner_record(rref_id)
+            if rec.state != PENDING:
+                return ServeFetch(src, msg_id, rec)
+            rec.waiters.append((src, msg_id))
+            return None
+
+    def on_fork_request(self, rref_id: RRefId, fork_id: ForkId, requester: int) -> None:
+        with self._lock:
+            self._owner_record(rref_id)
+            self.forks.setdefault(rref_id, {})[fork_id] = requester
+
+    def on_user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
+        with self._lock:
+            return self._drop_fork(rref_id, fork_id)
+
+    def _drop_fork(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
+        forks = self.forks.get(rref_id)
+        if forks is None or forks.pop(fork_id, None) is None:
+            return []
+        if forks:
+            return []
+        del self.forks[rref_id]
+        rec = self.owners.get(rref_id)
+        self._changed.notify_all()
+        if rec is None or (rec.state == PENDING and not rec.created):
+            return []
+        if rec.state == PENDING:
+            return []  # creation still running; set_value releases it
+        del self.owners[rref_id]
+        return [Release(rec)]
+
+    # ------------------------------------------------------------------ failures (G3)
+    def on_peer_dead(self, peer: int) -> list[Action]:
+        with self._lock:
+            self.dead.add(peer)
+            actions: list[Action] = []
+            for rid in list(self.forks):
+                for fid in [f for f, holder in self.forks[rid].items() if holder == peer]:
+                    actions += self._drop_fork(rid, fid)
+            for rec in self.owners.values():
+                rec.waiters = [(s, m) for s, m in rec.waiters if s != peer]
+            for fid, (parent, child) in list(self.pending_children.items()):
+                if child == peer or parent.owner == peer:
+                    del self.pending_children[fid]
+                    parent.children -= 1
+                    actions += self._maybe_delete(parent)
+            err = OwnerDiedError(f"the owner (worker {peer}) of this RRef died")
+            for table in (self.pending_users, self.confirmed_users, self.deleting_users):
+                for fid, rec in list(table.items()):
+                    if rec.owner == peer:
+                        rec.error = rec.error or err
+                        del table[fid]
+            self._changed.notify_all()
+            return actions
+
+    # ------------------------------------------------------------------ shutdown
+    def delete_all_users(self) -> list[Action]:
+        """Graceful shutdown: every user fork here is dropped, referenced or not."""
+        with self._lock:
+            actions: list[Action] = []
+            for rec in list(self.pending_users.values()) + list(self.confirmed_users.values()):
+                rec.closed_by_shutdown = True
+                if rec.alive:
+                    rec.alive = False
+                    actions += self._maybe_delete(rec)
+            return actions
+
+    def live_user_sites(self) -> list[str]:
+        """User forks whose Python object is still referenced (strict leak check)."""
+        with self._lock:
+            return [
+                f"RRef {r.rref_id} (fork {r.fork_id}, owner worker {r.owner}) created at {r.site or '<unknown>'}"
+                for r in list(self.pending_users.values()) + list(self.confirmed_users.values())
+                if r.alive
+            ]
+
+    def wait_value(self, rec: OwnerRecord, deadline: float) -> bool:
+        """Until an owned value is set (or failed); False at the deadline."""
+        with self._lock:
+            while rec.state == PENDING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return True
+
+    def wait_users_settled(self, deadline: float) -> bool:
+        """Until no user is pending, no child pending, no delete unacknowledged."""
+        with self._lock:
+            while self.pending_users or self.pending_children or self.deleting_users:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.1))
+            return True
+
+    def wait_owners_drained(self, deadline: float) -> bool:
+        """Until every fork on this owner belongs to a dead worker (or none remains)."""
+        with self._lock:
+            while any(h not in self.dead for fs in self.forks.values() for h in fs.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.1))
+            return True
+
+    def leaks(self) -> list[str]:
+        with self._lock:
+            return [
+                f"RRef {rid} fork {fid} held by worker {holder}"
+                for rid, forks in self.forks.items()
+                for fid, holder in forks.items()
+                if holder not in self.dead
+            ]
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "num_owner_rrefs": len(self.owners),
+                "num_forks": sum(len(f) for f in self.forks.values()),
+                "num_pending_users": len(self.pending_users),
+                "num_pending_children": len(self.pending_children),
+                "num_confirmed_users": len(self.confirmed_users),
+                "num_deleting_users": len(self.deleting_users),
+            }
+
+    # ------------------------------------------------------------------ invariants
+    def validate(self) -> None:
+        """Check every invariant; raise AssertionError naming the broken one."""
+        with self._lock:
+            for rid, forks in self.forks.items():
+                assert forks, f"empty fork set kept for {rid}"
+                assert rid in self.owners, f"forks of {rid} without an owner record"
+            for rid, rec in self.owners.items():
+                assert rec.rref_id == rid
+                if not self.forks.get(rid):
+                    assert rec.state == PENDING, f"owner record {rid} kept with no fork"
+                assert rec.state == PENDING or not rec.waiters, f"{rid} has waiters but a value"
+            tables = (self.pending_users, self.confirmed_users, self.deleting_users)
+            for i, a in enumerate(tables):
+                for b in tables[i + 1 :]:
+                    assert not (a.keys() & b.keys()), "a user fork is in two user maps"
+            for fid, rec in self.pending_users.items():
+                assert not rec.confirmed and rec.fork_id == fid
+            for fid, rec in self.confirmed_users.items():
+                assert rec.confirmed and rec.fork_id == fid
+                assert rec.alive or rec.children > 0, f"dropped user {fid} kept without children"
+            for fid, rec in self.deleting_users.items():
+                assert rec.confirmed and not rec.alive and rec.children == 0, f"early delete of {fid} (G1)"
+            count: dict[int, int] = {}
+            for fid, (parent, _) in self.pending_children.items():
+                count[id(parent)] = count.get(id(parent), 0) + 1
+                assert (
+                    parent.fork_id in self.pending_users or parent.fork_id in self.confirmed_users
+                ), f"pending child {fid} whose parent fork {parent.fork_id} is gone (G2)"
+            for rec in list(self.pending_users.values()) + list(self.confirmed_users.values()):
+                assert rec.children == count.get(id(rec), 0), f"child count of {rec.fork_id} is off"
+
+
+class _NoValue:
+    pass
+
+
+_NO_VALUE: Any = _NoValue()
+
+
+def creation_site() -> str:
+    """The first frame outside rrefrt: where user code created an RRef."""
+    for frame in reversed(traceback.extract_stack(limit=12)):
+        if "/rrefrt/" not in frame.filename.replace("\\", "/"):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "<unknown>"

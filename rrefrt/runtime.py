@@ -1,0 +1,564 @@
+"""The runtime of one worker: glue between the transport, the RRef context and user code.
+
+Owns: the agent, the user thread pool, the callback pool, the control thread, the event
+loop for ``async def`` functions, and the handlers of every message kind. Imports from
+rrefrt: everything below it (errors, options, futures, messages, rref_context,
+serialization, rref, pool) and transport. The API module (above) creates it.
+
+Threads and what runs where:
+    I/O thread (transport)  decodes headers, turns fork data into RRef objects (no user
+                            code), hands calls to the pool and control messages to the
+                            control thread, completes futures lazily.
+    control thread          RRef protocol messages, fetches (serving to_here), drops of
+                            RRefs, peer deaths. Never runs user functions, so a pool full
+                            of blocked nested calls cannot stall the protocol.
+    user pool               user functions (num_worker_threads, compensated when blocked).
+    callback pool           callbacks of futures completed by the I/O thread.
+    event loop thread       ``async def`` user functions (started on first use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import inspect
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import transport
+from transport import Agent
+
+from . import serialization as ser
+from .errors import (
+    RpcError,
+    RpcTimeoutError,
+    SerializationError,
+    ShutdownError,
+    WorkerUnavailableError,
+)
+from .futures import Future
+from .ids import ForkId, IdGenerator, RRefId
+from .messages import (
+    CONTROL_KINDS,
+    ERROR,
+    OK,
+    PYTHON_CALL,
+    PYTHON_REMOTE,
+    RREF_CHILD_ACCEPT,
+    RREF_FETCH,
+    RREF_FORK_REQUEST,
+    RREF_USER_DELETE,
+    ChildAccept,
+    ForkData,
+    ForkRequest,
+    ServeFetch,
+    UserDelete,
+)
+from .options import RpcBackendOptions, WorkerInfo
+from .pool import WorkerPool
+from .rref import RRef
+from .rref_context import _NO_VALUE, FAILED, OwnerRecord, RRefContext, creation_site
+
+log = logging.getLogger("rrefrt")
+
+
+def translate(err: BaseException, what: str) -> BaseException:
+    """Transport errors -> rrefrt's error tree (the one place this happens)."""
+    if isinstance(err, transport.RequestTimeout):
+        return RpcTimeoutError(f"{what} timed out after {err.timeout:.3f}s (worker {err.peer!r} did not answer)")
+    if isinstance(err, transport.PeerUnavailable):
+        return WorkerUnavailableError(f"{what} failed: {err}")
+    if isinstance(err, transport.MessageTooLarge):
+        return SerializationError(f"{what} failed: {err}")
+    if isinstance(err, transport.AgentClosed):
+        return ShutdownError(f"{what} failed: {err}")
+    return err
+
+
+class Runtime:
+    def __init__(self, info: WorkerInfo, options: RpcBackendOptions, agent_options: transport.AgentOptions, incarnation: int) -> None:
+        self.info = info
+        self.options = options
+        self.pid = os.getpid()
+        self.ctx = RRefContext(info.id, IdGenerator(info.id))
+        self.agent = Agent(info.id, info.name, incarnation, self._on_message, self._on_peer_dead, agent_options)
+        self.pool = WorkerPool(f"rrefrt-{info.name}-worker", options.num_worker_threads)
+        self.callbacks = WorkerPool(f"rrefrt-{info.name}-callback", 4)
+        self.workers_by_id: dict[int, WorkerInfo] = {info.id: info}
+        self.workers_by_name: dict[str, WorkerInfo] = {info.name: info}
+        self._control: queue.SimpleQueue = queue.SimpleQueue()
+        self._control_thread = threading.Thread(target=self._control_loop, name=f"rrefrt-{info.name}-control", daemon=True)
+        self._control_stop = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+        self._active_calls = 0  #: user functions running or queued on behalf of peers
+        self._active_lock = threading.Condition()
+        self.accepting = True
+        self.closed = False
+        self._control_thread.start()
+
+    def set_world(self, workers: Sequence[WorkerInfo]) -> None:
+        for w in workers:
+            self.workers_by_id[w.id] = w
+            self.workers_by_name[w.name] = w
+
+    # ------------------------------------------------------------------ lookups
+    def worker_info(self, to: Any = None) -> WorkerInfo:
+        if to is None:
+            return self.info
+        if isinstance(to, WorkerInfo):
+            w = self.workers_by_id.get(to.id)
+            if w is None or w.name != to.name:
+                raise WorkerUnavailableError(f"{to!r} is not a member of this RPC group")
+            return w
+        if isinstance(to, str):
+            w = self.workers_by_name.get(to)
+            if w is None:
+                known = ", ".join(sorted(self.workers_by_name))
+                raise WorkerUnavailableError(f"unknown worker name {to!r}; the group has: {known}")
+            return w
+        if isinstance(to, int) and not isinstance(to, bool):
+            w = self.workers_by_id.get(to)
+            if w is None:
+                raise WorkerUnavailableError(f"unknown worker id {to}; ids run 0..{len(self.workers_by_id) - 1}")
+            return w
+        raise TypeError(f"'to' must be a worker name, id or WorkerInfo, not {type(to).__name__}")
+
+    def _timeout(self, timeout: float | None) -> float:
+        if timeout is None or timeout < 0:
+            return self.options.rpc_timeout
+        return float(timeout)
+
+    def _device_map(self, dest: int) -> dict[str, str] | None:
+        return self.options.device_maps.get(self.workers_by_id[dest].name)
+
+    def _check_running(self) -> None:
+        if self.closed or not self.accepting:
+            raise ShutdownError(f"RPC on worker {self.info.name!r} is shutting down or shut down")
+
+    # ------------------------------------------------------------------ outgoing calls
+    def rpc_async(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Future[Any]:
+        self._check_running()
+        dest = self.worker_info(to).id
+        frames, forks = self._dumps_call(func, args, kwargs, dest)
+        fut: Future[Any] = Future()
+        fut._callback_pool = self.callbacks
+        what = f"rpc to {self.workers_by_id[dest].name!r} of {getattr(func, '__qualname__', func)!r}"
+        self._send_request(dest, PYTHON_CALL, [forks], frames, self._timeout(timeout), fut, what, forks)
+        return fut
+
+    def rpc_sync(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
+        fut = self.rpc_async(to, func, args, kwargs, timeout)
+        t = self._timeout(timeout)
+        return fut.result(t + 5.0 if t > 0 else None)
+
+    def remote(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> RRef[Any]:
+        self._check_running()
+        dest = self.worker_info(to).id
+        tname = func.__qualname__ if isinstance(func, type) else "object"
+        frames, forks = self._dumps_call(func, args, kwargs, dest)
+        if dest == self.info.id:
+            rec = self.ctx.new_local_owner(_NO_VALUE, tname)
+            rrefs = self._rrefs_from_forks(forks, dest)
+            self._track_call(+1)
+            self.pool.submit(self._run_call, dest, PYTHON_REMOTE, 0, frames, rrefs, rec)
+            return RRef._from_owner(self, rec)
+        t = self._timeout(timeout)
+        urec = self.ctx.new_remote_user(dest, tname, t)
+        if self.options.strict_rref_leaks:
+            urec.site = creation_site()
+        meta = [urec.rref_id.to_wire(), urec.fork_id.to_wire(), tname, forks]
+
+        def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:
+            self._control.put(("remote_ret", urec.fork_id, m, fr, err))
+
+        try:
+            self.agent.request(dest, PYTHON_REMOTE, meta, frames, 0, on_done)
+        except transport.TransportError as e:
+            self._abort_forks(forks)
+            self._perform(self.ctx.on_remote_ret(urec.fork_id, translate(e, "remote()")))
+            raise translate(e, "remote()") from None
+        return RRef._from_user(self, urec)
+
+    def fetch(self, rref: RRef[Any], timeout: float) -> Future[Any]:
+        rec = rref._user_rec
+        assert rec is not None
+        t = self._timeout(timeout)
+        if not rec.confirmed and rec.creation_deadline is not None:
+            t = max(0.001, min(t, rec.creation_deadline - time.monotonic())) if t > 0 else max(0.001, rec.creation_deadline - time.monotonic())
+        fut: Future[Any] = Future()
+        fut._callback_pool = self.callbacks
+        self._send_request(rec.owner, RREF_FETCH, [rec.rref_id.to_wire(), rec.fork_id.to_wire()], [], t, fut, f"to_here() of {rref!r}", [])
+        return fut
+
+    def owner_value(self, rec: OwnerRecord, timeout: float) -> Any:
+        deadline = time.monotonic() + (timeout if timeout > 0 else 1e9)
+        if not self.ctx.wait_value(rec, deadline):
+            raise RpcTimeoutError(f"the value of RRef {rec.rref_id} on worker {self.info.name!r} was not created within {timeout:.3f}s")
+        if rec.state == FAILED:
+            raise rec.error  # type: ignore[misc]
+        return rec.value
+
+    def _dumps_call(self, func: Any, args: Any, kwargs: Any, dest: int) -> tuple[list[Any], list[Any]]:
+        if not callable(func):
+            raise TypeError(f"func must be callable, got {type(func).__name__}")
+        args = () if args is None else tuple(args)
+        kwargs = {} if kwargs is None else dict(kwargs)
+        return self._dumps((func, args, kwargs), dest)
+
+    def _dumps(self, obj: Any, dest: int) -> tuple[list[Any], list[Any]]:
+        try:
+            return ser.dumps(obj, lambda r: self._fork(r, dest), self._device_map(dest))
+        except RpcError as e:
+            self._abort_forks(getattr(e, "forks", []))
+            raise
+
+    def _send_request(self, dest: int, kind: int, meta: Any, frames: Any, timeout: float, fut: Future[Any], what: str, forks: list[Any]) -> None:
+        def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:
+            if err is not None:
+                fut._fail(translate(err, what))
+                return
+            self._complete(fut, dest, m, fr)
+
+        try:
+            self.agent.request(dest, kind, meta, frames, timeout, on_done)
+        except transport.TransportError as e:
+            self._abort_forks(forks)
+            raise translate(e, what) from None
+
+    def _complete(self, fut: Future[Any], src: int, meta: Any, frames: Sequence[Any]) -> None:
+        """On the I/O thread: account for the forks now, decode the payload lazily."""
+        try:
+            status, forks = meta[0], meta[1]
+            rrefs = self._rrefs_from_forks(forks, src) if forks else []
+        except Exception as e:
+            fut._fail(SerializationError(f"malformed response from worker {self.workers_by_id[src].name!r}: {e}"))
+            return
+        name = self.workers_by_id[src].name
+        if status == OK:
+            fut._complete_lazy(lambda: ser.loads(frames, rrefs))
+        else:
+            def raise_remote() -> Any:
+                raise ser.loads_error(frames, name)
+
+            fut._complete_lazy(raise_remote)
+
+    # ------------------------------------------------------------------ forks
+    def _fork(self, rref: RRef[Any], dest: int) -> list[Any]:
+        if rref._rt is not self:
+            raise RpcError(f"{rref!r} belongs to another (shut down) RPC group")
+        rref._check()
+        if rref._owner_rec is not None:
+            return self.ctx.fork_owned(rref._owner_rec, dest).to_wire()
+        return self.ctx.fork_user(rref._user_rec, dest).to_wire()  # type: ignore[arg-type]
+
+    def _abort_forks(self, forks: list[Any]) -> None:
+        for f in forks:
+            self._perform(self.ctx.abort_fork(ForkData.from_wire(f)))
+
+    def _rrefs_from_forks(self, forks: list[Any], src: int) -> list[RRef[Any]]:
+        out = []
+        strict = self.options.strict_rref_leaks
+        for raw in forks:
+            data = ForkData.from_wire(raw)
+            rec, actions = self.ctx.on_fork_received(data, src)
+            if isinstance(rec, OwnerRecord):
+                out.append(RRef._from_owner(self, rec))
+            else:
+                if strict:
+                    rec.site = f"received from worker {self.workers_by_id[src].name!r}"
+                out.append(RRef._from_user(self, rec))
+            self._perform(actions)
+        return out
+
+    def enqueue_drop(self, fork_id: ForkId) -> None:
+        if not self.closed:
+            self._control.put(("drop", fork_id))
+
+    # ------------------------------------------------------------------ protocol actions
+    def _perform(self, actions: list[Any]) -> None:
+        for a in actions:
+            try:
+                if isinstance(a, ForkRequest):
+                    fid = a.fork_id
+                    self.agent.request(
+                        a.dest, RREF_FORK_REQUEST, [a.rref_id.to_wire(), fid.to_wire(), a.parent], [], 0,
+                        lambda m, f, e, fid=fid: self._control.put(("fork_ack", fid, e)),
+                    )
+                elif isinstance(a, ChildAccept):
+                    self.agent.request(a.dest, RREF_CHILD_ACCEPT, [a.fork_id.to_wire()], [], 0, _ignore)
+                elif isinstance(a, UserDelete):
+                    fid = a.fork_id
+                    self.agent.request(
+                        a.dest, RREF_USER_DELETE, [a.rref_id.to_wire(), fid.to_wire()], [], 0,
+                        lambda m, f, e, fid=fid: self._control.put(("delete_ack", fid, e)),
+                    )
+                elif isinstance(a, ServeFetch):
+                    self._serve_fetch(a)
+                # Release: dropping the action drops the value, here, outside every lock
+            except transport.AgentClosed:
+                log.debug("protocol message %r not sent: transport closed", a)
+
+    def _serve_fetch(self, sf: ServeFetch) -> None:
+        rec = sf.record
+        if rec.state == FAILED:
+            self.agent.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(rec.error, self.info.name))
+            return
+        try:
+            frames, forks = self._dumps(rec.value, sf.src)
+        except Exception as e:
+            self.agent.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, self.info.name))
+            return
+        self.agent.respond(sf.src, sf.msg_id, [OK, forks], frames)
+
+    # ------------------------------------------------------------------ incoming (I/O thread)
+    def _on_message(self, src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
+        if kind in CONTROL_KINDS:
+            self._control.put(("msg", src, kind, msg_id, meta))
+            return
+        if kind not in (PYTHON_CALL, PYTHON_REMOTE):
+            self.agent.stats["bad_frames_dropped"] += 1
+            return
+        try:
+            if kind == PYTHON_CALL:
+                (forks,) = meta
+                rec = None
+            else:
+                rid, fid, tname, forks = meta
+                rec = self.ctx.on_remote_request(RRefId.from_wire(rid), ForkId.from_wire(fid), src, str(tname))
+            rrefs = self._rrefs_from_forks(forks, src)
+        except Exception:
+            self.agent.stats["bad_frames_dropped"] += 1
+            return
+        if not self.accepting:
+            err = ShutdownError(f"worker {self.info.name!r} is shutting down and accepts no new calls")
+            self._finish_call(src, kind, msg_id, rec, None, err)
+            return
+        self._track_call(+1)
+        self.pool.submit(self._run_call, src, kind, msg_id, frames, rrefs, rec)
+
+    def _track_call(self, delta: int) -> None:
+        with self._active_lock:
+            self._active_calls += delta
+            if self._active_calls == 0:
+                self._active_lock.notify_all()
+
+    def _run_call(self, src: int, kind: int, msg_id: int, frames: Sequence[Any], rrefs: list[Any], rec: OwnerRecord | None) -> None:
+        def done(value: Any, exc: BaseException | None) -> None:
+            try:
+                self._finish_call(src, kind, msg_id, rec, value, exc)
+            finally:
+                self._track_call(-1)
+
+        try:
+            func, args, kwargs = ser.loads(frames, rrefs)
+        except BaseException as e:
+            done(None, e)
+            return
+        del rrefs, frames
+        self._invoke(func, args, kwargs, done)
+
+    def _invoke(self, func: Any, args: tuple, kwargs: dict, done: Callable[[Any, BaseException | None], None]) -> None:
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as e:
+            done(None, e)
+            return
+        if getattr(func, "_rrefrt_async_execution", False):
+            self._when_done(result, done, func)
+        elif inspect.iscoroutine(result):
+            cf = asyncio.run_coroutine_threadsafe(result, self._event_loop())
+            cf.add_done_callback(lambda f: self.pool.submit(_settle, f, done))
+        else:
+            done(result, None)
+
+    def _when_done(self, fut: Any, done: Callable[[Any, BaseException | None], None], func: Any) -> None:
+        if isinstance(fut, concurrent.futures.Future):
+            fut.add_done_callback(lambda f: _settle(f, done))
+        elif hasattr(fut, "add_done_callback") and hasattr(fut, "wait"):  # torch.futures.Future
+            def torch_done(f: Any) -> None:
+                try:
+                    value = f.wait()
+                except BaseException as e:
+                    done(None, e)
+                    return
+                done(value, None)
+
+            fut.add_done_callback(torch_done)
+        else:
+            done(None, TypeError(f"@async_execution function {getattr(func, '__qualname__', func)!r} must return a Future, got {type(fut).__name__}"))
+
+    def _finish_call(self, src: int, kind: int, msg_id: int, rec: OwnerRecord | None, value: Any, exc: BaseException | None) -> None:
+        if kind == PYTHON_REMOTE:
+            assert rec is not None
+            self._perform(self.ctx.set_value(rec, value, exc))
+            if msg_id == 0:  # remote() to self
+                return
+            if exc is None:
+                self._respond(src, msg_id, [OK, []], [])
+            else:
+                self._respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, self.info.name))
+            return
+        if exc is None:
+            try:
+                frames, forks = self._dumps(value, src)
+                self._respond(src, msg_id, [OK, forks], frames)
+                return
+            except Exception as e:
+                exc = e
+        self._respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, self.info.name))
+
+    def _respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
+        try:
+            self.agent.respond(dest, msg_id, meta, frames)
+        except transport.MessageTooLarge as e:
+            self.agent.respond(dest, msg_id, [ERROR, []], ser.dumps_error(SerializationError(f"result too large: {e}"), self.info.name))
+        except transport.AgentClosed:
+            log.debug("response to worker %d dropped: transport closed", dest)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                t = threading.Thread(target=loop.run_forever, name=f"rrefrt-{self.info.name}-asyncio", daemon=True)
+                t.start()
+                self._loop, self._loop_thread = loop, t
+            return self._loop
+
+    # ------------------------------------------------------------------ control thread
+    def _control_loop(self) -> None:
+        q = self._control
+        while not self._control_stop:
+            try:
+                item = q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self._control_item(item)
+            except Exception:
+                log.exception("control message %r failed on worker %r", item[0], self.info.name)
+            del item
+
+    def _control_item(self, item: tuple) -> None:
+        op = item[0]
+        ctx = self.ctx
+        if op == "msg":
+            _, src, kind, msg_id, meta = item
+            if kind == RREF_FETCH:
+                sf = ctx.on_fetch(RRefId.from_wire(meta[0]), src, msg_id)
+                if sf is not None:
+                    self._serve_fetch(sf)
+            elif kind == RREF_FORK_REQUEST:
+                ctx.on_fork_request(RRefId.from_wire(meta[0]), ForkId.from_wire(meta[1]), src)
+                self._respond(src, msg_id, [OK, []], [])
+            elif kind == RREF_CHILD_ACCEPT:
+                actions = ctx.on_child_accept(ForkId.from_wire(meta[0]))
+                self._respond(src, msg_id, [OK, []], [])
+                self._perform(actions)
+            elif kind == RREF_USER_DELETE:
+                actions = ctx.on_user_delete(RRefId.from_wire(meta[0]), ForkId.from_wire(meta[1]))
+                self._respond(src, msg_id, [OK, []], [])
+                self._perform(actions)
+        elif op == "drop":
+            self._perform(ctx.user_dropped(item[1]))
+        elif op == "fork_ack":
+            if item[2] is None:
+                self._perform(ctx.on_fork_request_ack(item[1]))
+        elif op == "delete_ack":
+            if item[2] is None:
+                ctx.on_user_delete_ack(item[1])
+        elif op == "remote_ret":
+            _, fid, meta, frames, err = item
+            if err is not None:
+                if isinstance(err, transport.PeerUnavailable):
+                    return  # on_peer_dead fails the record
+                error: BaseException | None = translate(err, "remote()")
+            elif meta[0] == OK:
+                error = None
+            else:
+                error = ser.loads_error(frames, "owner")
+            self._perform(ctx.on_remote_ret(fid, error))
+        elif op == "dead":
+            self._perform(ctx.on_peer_dead(item[1]))
+        elif op == "sync":
+            item[1].set()
+
+    def _on_peer_dead(self, peer: int, cause: str) -> None:
+        self._control.put(("dead", peer))
+
+    def sync_control(self, deadline: float) -> bool:
+        """Wait (bounded) until everything enqueued for the control thread so far is done."""
+        ev = threading.Event()
+        self._control.put(("sync", ev))
+        return ev.wait(max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------ shutdown
+    def wait_idle(self, deadline: float) -> bool:
+        """Until no call from a peer is running or queued here."""
+        with self._active_lock:
+            while self._active_calls:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._active_lock.wait(min(left, 0.1))
+            return True
+
+    def release_rrefs(self, deadline: float) -> list[str]:
+        """Graceful shutdown, RRef part: returns the live-user sites found (strict mode)."""
+        gc.collect()
+        self.sync_control(deadline)
+        sites = self.ctx.live_user_sites() if self.options.strict_rref_leaks else []
+        self._perform(self.ctx.delete_all_users())
+        self.ctx.wait_users_settled(deadline)
+        self.ctx.wait_owners_drained(deadline)
+        return sites
+
+    def debug_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = dict(self.ctx.counts())
+        stats = self.agent.stats
+        for key in ("messages_sent", "messages_received", "bytes_sent", "bytes_received", "bad_frames_dropped",
+                    "unknown_peer_dropped", "fenced_dropped", "late_responses_dropped", "requests_timed_out",
+                    "peers_declared_dead"):
+            info[f"agent.{key}"] = int(stats.get(key, 0))
+        for name, n in self.agent.pending_per_peer().items():
+            info[f"agent.pending_futures.{name}"] = n
+        for key, n in self.pool.stats().items():
+            info[f"pool.{key}"] = n
+        info["agent.dead_peers"] = len(self.agent.dead_peers())
+        return info
+
+    def close(self) -> None:
+        """Stop everything; bounded; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        self.accepting = False
+        self.agent.close()
+        self._control_stop = True
+        self._control.put(("sync", threading.Event()))
+        self._control_thread.join(2.0)
+        self.pool.stop()
+        self.callbacks.stop()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(2.0)
+
+
+def _ignore(meta: Any, frames: Any, err: Any) -> None:
+    return None
+
+
+def _settle(f: concurrent.futures.Future, done: Callable[[Any, BaseException | None], None]) -> None:
+    try:
+        value = f.result()
+    except BaseException as e:
+        done(None, e)
+        return
+    done(value, None)

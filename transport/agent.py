@@ -1,0 +1,503 @@
+"""The ZeroMQ agent: one ROUTER socket per process, owned by one I/O thread.
+
+Owns: the socket, the peer table, request/response correlation, per-request deadlines and
+liveness. Imports only zmq, msgpack (through ``wire``) and the standard library; never
+torch, never rrefrt. The wire format is documented in ``transport.wire``.
+
+Rules:
+
+1. Only the I/O thread touches the socket, the peer table's mutable state, the pending
+   requests and the deadline heap. Other threads hand it work through ``_outbox`` (a deque)
+   and ring ``_bell`` (an eventfd watched by the poller). So none of that state needs a lock.
+2. The I/O thread never runs user code and never blocks outside ``poll``: callbacks it runs
+   (``on_message``, a request's ``on_done``) belong to the runtime and must only hand work on.
+3. Every request has a deadline or is bounded by peer death: when a peer is declared dead,
+   every request pending on it fails with ``PeerUnavailable`` naming it, and its late
+   messages are dropped for the life of the agent (it is fenced).
+
+NOTE [Liveness]: libzmq's heartbeats (HEARTBEAT_IVL/TIMEOUT/TTL) are answered by libzmq's own
+thread, so a busy or deadlocked Python process still looks alive, while a dead, stopped or
+partitioned one has its connection closed by libzmq. With ROUTER_MANDATORY and IMMEDIATE a
+send to a peer without a connection fails with EHOSTUNREACH at once, so the agent probes
+routes (PING) on every disconnect event from the socket monitor and every heartbeat
+interval. A peer whose route stays gone for ``route_grace`` seconds is declared dead. A
+successful send proves nothing (the peer may vanish right after), which is why every
+request also carries its own deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from . import wire
+from .errors import AgentClosed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
+
+log = logging.getLogger("rrefrt.transport")
+
+#: on_done(meta, frames, error): exactly one of (meta/frames) or error is meaningful.
+OnDone = Callable[[Any, Sequence[Any], "TransportError | None"], None]
+#: on_message(src_id, kind, msg_id, meta, frames) for kinds >= wire.FIRST_APP_KIND.
+OnMessage = Callable[[int, int, int, Any, Sequence[Any]], None]
+#: on_peer_dead(peer_id, cause)
+OnPeerDead = Callable[[int, str], None]
+
+_PROBE_SUSPECT_S = 0.05
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    id: int
+    name: str
+    incarnation: int
+    endpoint: str
+
+
+@dataclass
+class _Pending:
+    dest: int
+    msg_id: int
+    deadline: float | None
+    timeout: float
+    on_done: OnDone
+
+
+@dataclass
+class _Peer:
+    spec: PeerSpec
+    rid: bytes
+    state: str = "joining"  #: joining -> up <-> suspect -> dead (final)
+    suspect_since: float = 0.0
+    pending: dict[int, _Pending] = field(default_factory=dict)  #: msg_id -> request awaiting it
+    backlog: collections.deque = field(default_factory=collections.deque)  #: frames not yet routable
+    hello_due: float = 0.0
+
+
+@dataclass
+class AgentOptions:
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 3.0
+    route_grace: float = 0.5
+    max_message_size: int = 1 << 31
+    linger: float = 0.5
+
+
+class Agent:
+    def __init__(
+        self,
+        worker_id: int,
+        name: str,
+        incarnation: int,
+        on_message: OnMessage,
+        on_peer_dead: OnPeerDead,
+        options: AgentOptions | None = None,
+    ) -> None:
+        self.id, self.name, self.incarnation = worker_id, name, incarnation
+        self.options = options or AgentOptions()
+        self._on_message = on_message
+        self._on_peer_dead = on_peer_dead
+        self._pid = os.getpid()
+        self._ids = itertools.count(1)
+        self._outbox: collections.deque = collections.deque()
+        self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._bell_rung = False
+        self._peers: dict[int, _Peer] = {}  #: worker id -> peer (I/O thread only after start)
+        self._self_pending: dict[int, _Pending] = {}  #: msg_id -> request sent to ourselves
+        self._deadlines: list[tuple[float, int, int]] = []  #: heap of (deadline, msg_id, dest)
+        self._all_up = threading.Event()
+        self._closed = threading.Event()
+        self._stopping = False
+        self._next_probe = 0.0
+        self._probe_now = False
+        self.endpoints: list[str] = []
+        self.stats: collections.Counter = collections.Counter()
+        self._ctx = zmq.Context(io_threads=1)
+        self._ctx.setsockopt(zmq.LINGER, int(self.options.linger * 1000))
+        self._sock = self._make_socket()
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self._thread = threading.Thread(target=self._run, name=f"rrefrt-io-{name}", daemon=True)
+
+    # ------------------------------------------------------------------ setup (any thread)
+    def _make_socket(self) -> zmq.Socket:
+        o = self.options
+        s = self._ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTING_ID, wire.routing_id(self.id))
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.LINGER, int(o.linger * 1000))
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, o.max_message_size + wire.MAX_HEADER_BYTES)
+        s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(o.heartbeat_interval * 1000)))
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(o.heartbeat_timeout * 1000)))
+        s.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(o.heartbeat_timeout * 1000)))
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        return s
+
+    def bind(self, endpoint: str) -> str:
+        """Bind before start(); returns the concrete endpoint (port 0 -> the chosen port)."""
+        self._sock.bind(endpoint)
+        actual = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoints.append(actual)
+        return actual
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
+        """Join the mesh: connect to peers with a higher id, exchange HELLO with all of
+        them, and return once every route is up; raise TransportError naming the missing
+        peers after ``timeout`` seconds."""
+        self._check_usable()
+
+        def setup() -> None:
+            now = time.monotonic()
+            for spec in peers:
+                if spec.id == self.id:
+                    continue
+                peer = _Peer(spec=spec, rid=wire.routing_id(spec.id), hello_due=now)
+                self._peers[spec.id] = peer
+                if spec.id > self.id:
+                    self._sock.connect(spec.endpoint)
+            self._check_all_up()
+
+        self._call_soon(setup)
+        if not self._all_up.wait(timeout):
+            missing = sorted(p.spec.name for p in list(self._peers.values()) if p.state == "joining")
+            raise TransportError(
+                f"worker {self.name!r} could not reach {', '.join(map(repr, missing)) or 'its peers'} "
+                f"within {timeout:.1f}s"
+            )
+
+    # ------------------------------------------------------------------ API (any thread)
+    def request(
+        self, dest: int, kind: int, meta: Any, frames: Sequence[Any], timeout: float, on_done: OnDone
+    ) -> int:
+        """Send a request; ``on_done`` runs once, on the I/O thread, with the response or an
+        error. ``timeout`` <= 0 means no deadline (still bounded by peer death)."""
+        self._check_usable()
+        self._check_size(frames)
+        msg_id = next(self._ids)
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        pending = _Pending(dest, msg_id, deadline, timeout, on_done)
+        out = [wire.encode_header(kind, msg_id, meta), *frames]
+        self._enqueue(("req", pending, out))
+        return msg_id
+
+    def send(self, dest: int, kind: int, meta: Any, frames: Sequence[Any] = (), msg_id: int = 0) -> None:
+        """Send a one-way message (or a RESPONSE when kind is wire.RESPONSE)."""
+        self._check_usable()
+        self._check_size(frames)
+        self._enqueue(("send", dest, [wire.encode_header(kind, msg_id, meta), *frames]))
+
+    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = ()) -> None:
+        self.send(dest, wire.RESPONSE, meta, frames, msg_id)
+
+    def peer_name(self, peer_id: int) -> str:
+        peer = self._peers.get(peer_id)
+        return peer.spec.name if peer else ("self" if peer_id == self.id else f"<worker {peer_id}>")
+
+    def dead_peers(self) -> set[int]:
+        return {pid for pid, p in list(self._peers.items()) if p.state == "dead"}
+
+    def is_alive(self, peer_id: int) -> bool:
+        if peer_id == self.id:
+            return not self._closed.is_set()
+        peer = self._peers.get(peer_id)
+        return peer is not None and peer.state != "dead"
+
+    def pending_per_peer(self) -> dict[str, int]:
+        return {p.spec.name: len(p.pending) for p in list(self._peers.values())}
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the I/O thread, fail every pending request, close the socket with a small
+        linger. Never hangs; in a forked child it only abandons the inherited state."""
+        if os.getpid() != self._pid:
+            return
+        if self._closed.is_set():
+            return
+        if self._thread.is_alive():
+            self._enqueue(("stop",))
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("I/O thread of %r did not stop within %.1fs; abandoning it", self.name, timeout)
+            return
+        self._closed.set()
+
+    # ------------------------------------------------------------------ internals
+    def _check_usable(self) -> None:
+        if os.getpid() != self._pid:
+            raise AgentClosed("the transport was inherited through fork(); it is unusable in the child")
+        if self._closed.is_set() or self._stopping:
+            raise AgentClosed(f"the transport of worker {self.name!r} is closed")
+
+    def _check_size(self, frames: Sequence[Any]) -> None:
+        size = 0
+        for f in frames:
+            size += f.nbytes if isinstance(f, memoryview) else len(f)
+        if size > self.options.max_message_size:
+            raise MessageTooLarge(
+                f"message of {size} bytes exceeds the limit of {self.options.max_message_size} bytes"
+            )
+
+    def _enqueue(self, item: tuple) -> None:
+        self._outbox.append(item)
+        if not self._bell_rung:
+            self._bell_rung = True
+            try:
+                os.eventfd_write(self._bell, 1)
+            except OSError:
+                pass
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        self._enqueue(("call", fn))
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._bell, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._bell in events:
+                    try:
+                        os.eventfd_read(self._bell)
+                    except OSError:
+                        pass
+                self._bell_rung = False
+                self._drain_outbox()
+                if self._sock in events:
+                    self._recv_all()
+                if self._monitor in events:
+                    self._read_monitor()
+                now = time.monotonic()
+                self._expire(now)
+                self._check_routes(now)
+        except Exception:  # a bug here must not leave callers waiting forever
+            log.exception("I/O thread of %r crashed", self.name)
+        finally:
+            self._stopping = True
+            self._fail_everything("the transport was shut down")
+            self._monitor.close(0)
+            self._sock.close(int(self.options.linger * 1000))
+            self._ctx.term()
+            os.close(self._bell)
+            self._closed.set()
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        wake = self._next_probe
+        if self._deadlines:
+            wake = min(wake, self._deadlines[0][0])
+        for p in self._peers.values():
+            if p.state in ("suspect", "joining") or p.backlog:
+                wake = min(wake, now + _PROBE_SUSPECT_S)
+                break
+        return max(0, int((wake - now) * 1000) + 1)
+
+    def _drain_outbox(self) -> None:
+        box = self._outbox
+        while box:
+            item = box.popleft()
+            op = item[0]
+            if op == "send":
+                self._send(item[1], item[2])
+            elif op == "req":
+                pending, frames = item[1], item[2]
+                peer = self._peers.get(pending.dest)
+                if pending.dest != self.id and (peer is None or peer.state == "dead"):
+                    cause = "it was declared dead" if peer else "it is not a member of this group"
+                    pending.on_done(None, (), PeerUnavailable(self.peer_name(pending.dest), cause))
+                    continue
+                self._register(pending)
+                self._send(pending.dest, frames)
+            elif op == "call":
+                item[1]()
+            elif op == "stop":
+                self._stopping = True
+                return
+
+    def _register(self, p: _Pending) -> None:
+        table = self._peers[p.dest].pending if p.dest != self.id else self._self_pending
+        table[p.msg_id] = p
+        if p.deadline is not None:
+            heapq.heappush(self._deadlines, (p.deadline, p.msg_id, p.dest))
+
+    def _send(self, dest: int, frames: list) -> None:
+        if dest == self.id:
+            self._deliver(dest, [bytes(f) if not isinstance(f, bytes) else f for f in frames])
+            return
+        peer = self._peers.get(dest)
+        if peer is None or peer.state == "dead":
+            self.stats["dropped_to_dead"] += 1
+            return
+        if peer.backlog or peer.state == "joining":
+            peer.backlog.append(frames)
+            return
+        if not self._try_send(peer, frames):
+            peer.backlog.append(frames)
+
+    def _try_send(self, peer: _Peer, frames: list) -> bool:
+        try:
+            self._sock.send_multipart([peer.rid, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                if peer.state == "up":
+                    peer.state, peer.suspect_since = "suspect", time.monotonic()
+                return False
+            if e.errno == errno.EAGAIN:
+                return False
+            raise
+        self.stats["messages_sent"] += 1
+        self.stats["bytes_sent"] += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        if peer.state == "suspect":
+            peer.state = "up"
+        return True
+
+    def _flush_backlog(self, peer: _Peer) -> None:
+        while peer.backlog:
+            if not self._try_send(peer, peer.backlog[0]):
+                return
+            peer.backlog.popleft()
+
+    def _recv_all(self) -> None:
+        sock = self._sock
+        for _ in range(1000):
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.stats["messages_received"] += 1
+            self.stats["bytes_received"] += sum(len(f) for f in msg)
+            wid = wire.worker_id_of(msg[0].bytes)
+            peer = self._peers.get(wid) if wid is not None else None
+            if peer is None:
+                self.stats["bad_frames_dropped"] += 1
+                self.stats["unknown_peer_dropped"] += 1
+                continue
+            if peer.state == "dead":
+                self.stats["fenced_dropped"] += 1
+                continue
+            self._deliver(wid, msg[1:], peer)
+
+    def _deliver(self, src: int, frames: list, peer: _Peer | None = None) -> None:
+        if len(frames) < 1 or len(frames) > wire.MAX_FRAMES + 1:
+            self.stats["bad_frames_dropped"] += 1
+            return
+        head = frames[0]
+        try:
+            kind, msg_id, meta = wire.decode_header(head if isinstance(head, bytes) else head.bytes)
+        except wire.MalformedMessage:
+            self.stats["bad_frames_dropped"] += 1
+            return
+        body = frames[1:]
+        if kind >= wire.FIRST_APP_KIND:
+            self._on_message(src, kind, msg_id, meta, body)
+        elif kind == wire.RESPONSE:
+            table = peer.pending if peer is not None else self._self_pending
+            pending = table.pop(msg_id, None)
+            if pending is None:
+                self.stats["late_responses_dropped"] += 1
+                return
+            pending.on_done(meta, body, None)
+        elif kind in (wire.HELLO, wire.HELLO_ACK) and peer is not None:
+            if not (type(meta) is list and len(meta) == 2 and meta[0] == peer.spec.incarnation):
+                self.stats["bad_frames_dropped"] += 1
+                self.stats["fenced_dropped"] += 1
+                return
+            if kind == wire.HELLO:
+                self._try_send(peer, [wire.encode_header(wire.HELLO_ACK, 0, [self.incarnation, self.name])])
+            if peer.state == "joining":
+                peer.state = "up"
+                self._flush_backlog(peer)
+                self._check_all_up()
+        elif kind == wire.PING:
+            pass
+        else:
+            self.stats["bad_frames_dropped"] += 1
+
+    def _check_all_up(self) -> None:
+        if all(p.state != "joining" for p in self._peers.values()):
+            self._all_up.set()
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self._probe_now = True
+
+    def _check_routes(self, now: float) -> None:
+        regular = now >= self._next_probe or self._probe_now
+        if regular:
+            self._next_probe = now + self.options.heartbeat_interval
+            self._probe_now = False
+        ping = None
+        for peer in list(self._peers.values()):
+            if peer.state == "dead":
+                continue
+            if peer.state == "joining":
+                if peer.spec.id > self.id and now >= peer.hello_due:
+                    peer.hello_due = now + 0.05
+                    self._try_send(peer, [wire.encode_header(wire.HELLO, 0, [self.incarnation, self.name])])
+                continue
+            if peer.backlog:
+                self._flush_backlog(peer)
+            elif regular or peer.state == "suspect":
+                ping = ping or [wire.encode_header(wire.PING, 0, None)]
+                self._try_send(peer, ping)
+            if peer.state == "suspect" and now - peer.suspect_since > self.options.route_grace:
+                self._declare_dead(peer, f"its connection was lost for over {self.options.route_grace:.1f}s")
+
+    def _declare_dead(self, peer: _Peer, cause: str) -> None:
+        peer.state = "dead"
+        log.warning("worker %r declared dead: %s", peer.spec.name, cause)
+        self.stats["peers_declared_dead"] += 1
+        err = PeerUnavailable(peer.spec.name, cause)
+        pending, peer.pending = peer.pending, {}
+        peer.backlog.clear()
+        for p in pending.values():
+            p.on_done(None, (), err)
+        try:
+            self._on_peer_dead(peer.spec.id, cause)
+        except Exception:
+            log.exception("peer-death callback failed")
+
+    def _expire(self, now: float) -> None:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, msg_id, dest = heapq.heappop(heap)
+            table = self._self_pending if dest == self.id else self._peers[dest].pending
+            p = table.pop(msg_id, None)
+            if p is not None:
+                self.stats["requests_timed_out"] += 1
+                p.on_done(None, (), RequestTimeout(self.peer_name(dest), p.timeout))
+
+    def _fail_everything(self, cause: str) -> None:
+        err = AgentClosed(f"{cause} (worker {self.name!r})")
+        tables = [p.pending for p in self._peers.values()] + [self._self_pending]
+        for table in tables:
+            pending = list(table.values())
+            table.clear()
+            for p in pending:
+                try:
+                    p.on_done(None, (), err)
+                except Exception:
+                    log.exception("on_done failed during close")
+        for item in list(self._outbox):
+            if item[0] == "req":
+                item[1].on_done(None, (), err)
+        self._outbox.clear()

@@ -1,0 +1,34 @@
+"""Errors raised or delivered by the transport. The runtime translates them once, at its
+boundary, into rrefrt's own error tree. Imports nothing."""
+
+from __future__ import annotations
+
+
+class TransportError(RuntimeError):
+    """Base class of every transport failure."""
+
+
+class PeerUnavailable(TransportError):
+    """The destination is unknown, unreachable or declared dead."""
+
+    def __init__(self, peer: str, cause: str) -> None:
+        super().__init__(f"worker {peer!r} is unavailable: {cause}")
+        self.peer = peer
+        self.cause = cause
+
+
+class RequestTimeout(TransportError, TimeoutError):
+    """No response arrived before the request's deadline."""
+
+    def __init__(self, peer: str, timeout: float) -> None:
+        super().__init__(f"no response from worker {peer!r} within {timeout:.3f}s")
+        self.peer = peer
+        self.timeout = timeout
+
+
+class MessageTooLarge(TransportError):
+    """A message exceeds the size limit; checked at the sender, nothing was sent."""
+
+
+class AgentClosed(TransportError):
+    """The agent was closed (shutdown) or is used from a forked child."""

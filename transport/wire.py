@@ -1,0 +1,93 @@
+"""The wire format of rrefrt's transport: how a message is laid out in ZeroMQ frames.
+
+Owns: header encoding and decoding, and the checks a received message must pass before
+anything in it is handed on. Imports only msgpack and the standard library.
+
+A message is one ZeroMQ multipart message on a ROUTER-to-ROUTER mesh::
+
+    frame 0   routing id of the peer (added / stripped by the ROUTER socket): b"w<worker id>"
+    frame 1   header: a msgpack array  [version, kind, msg_id, meta]
+    frame 2+  buffer frames: raw bytes (pickle payloads, tensor storage), sent zero-copy
+
+    field     type            meaning
+    version   int             WIRE_VERSION; anything else is dropped as malformed
+    kind      int             message kind; < 16 belong to the transport (table below),
+                              >= 16 are opaque to it and handed to the runtime
+    msg_id    int >= 0        request id chosen by the sender; 0 for one-way messages;
+                              a RESPONSE carries the id of the request it answers
+    meta      msgpack value   kind-specific, never pickled
+
+    transport kind  meaning
+    HELLO (1)       [incarnation, name]: first message on a new route; answered by HELLO_ACK
+    HELLO_ACK (2)   [incarnation, name]: the route back is up
+    PING (3)        probe sent to check that a route still exists; ignored by the receiver
+    RESPONSE (4)    answer to the request msg_id; meta and frames belong to the runtime
+
+Buffer frames are never interpreted by the transport. The runtime decides what they hold
+(for rrefrt: frame 2 is a pickle-5 payload and later frames are its out-of-band buffers).
+A received message is dropped and counted - never decoded further - when its header is not
+valid msgpack within the limits below, has the wrong shape or version, comes from a routing
+id that is not a member of the group, or exceeds the size limit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+WIRE_VERSION = 1
+HELLO, HELLO_ACK, PING, RESPONSE = 1, 2, 3, 4
+FIRST_APP_KIND = 16
+MAX_HEADER_BYTES = 1 << 20
+MAX_FRAMES = 4096
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+class MalformedMessage(ValueError):
+    """A received message failed validation; the agent drops and counts it."""
+
+
+def routing_id(worker_id: int) -> bytes:
+    return b"w%d" % worker_id
+
+
+def worker_id_of(rid: bytes) -> int | None:
+    if len(rid) < 2 or rid[:1] != b"w" or not rid[1:].isdigit():
+        return None
+    return int(rid[1:])
+
+
+def encode_header(kind: int, msg_id: int, meta: Any) -> bytes:
+    return msgpack.packb([WIRE_VERSION, kind, msg_id, meta], use_bin_type=True)
+
+
+def decode_header(raw: bytes | memoryview) -> tuple[int, int, Any]:
+    """Decode and validate a header frame; raise MalformedMessage on anything unexpected."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise MalformedMessage("header too large")
+    try:
+        head = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=False,
+            max_array_len=65536,
+            max_map_len=65536,
+            max_str_len=MAX_HEADER_BYTES,
+            max_bin_len=MAX_HEADER_BYTES,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises many types for bad input
+        raise MalformedMessage(f"invalid msgpack header: {type(e).__name__}") from None
+    if (
+        type(head) is not list
+        or len(head) != 4
+        or head[0] != WIRE_VERSION
+        or type(head[1]) is not int
+        or type(head[2]) is not int
+        or head[1] < 1
+        or head[2] < 0
+    ):
+        raise MalformedMessage("header has the wrong shape")
+    return head[1], head[2], head[3]
