@@ -28,7 +28,7 @@ import msgpack
 
 from .environment import resolve_env
 from .errors import RpcError
-from .store import StoreClient, StoreServer, StoreTimeout
+from .store import StoreClient, StoreError, StoreServer, StoreTimeout
 
 log = logging.getLogger("rrefrt.rendezvous")
 
@@ -122,6 +122,7 @@ class Rendezvous:
     def __init__(self, spec: GroupSpec, timeout: float) -> None:
         self.spec = spec
         self.server: StoreServer | None = None
+        self._seen: set[str] = set()
         hosted = os.environ.get("RREFRT_STORE_HOSTED") == "1"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         if spec.rank == 0 and not hosted and not agent_store:
@@ -153,14 +154,20 @@ class Rendezvous:
             raise RendezvousError(msg)
         self.store.set(self.key(f"worker/{spec.rank}"), msgpack.packb(record.__dict__))
         keys = [f"worker/{r}" for r in range(spec.world_size)]
-        missing = self._wait_keys(keys, deadline)
+        where = f"worker {record.name!r} (rank {spec.rank}) waited for the group at {spec.master_addr}:{spec.master_port}"
+        try:
+            missing = self._wait_keys(keys, deadline)
+        except StoreError as e:
+            left = [k.split("/")[1] for k in keys if k not in self._seen]
+            raise RendezvousError(
+                f"{where}; rank(s) {', '.join(left)} never joined and the store closed "
+                f"(rank 0 gave up or failed): {e}"
+            ) from None
         if missing:
             ranks = ", ".join(k.split("/")[1] for k in missing)
-            raise RendezvousError(
-                f"worker {record.name!r} (rank {spec.rank}) waited for the group at "
-                f"{spec.master_addr}:{spec.master_port}, but rank(s) {ranks} never joined "
-                f"(world_size={spec.world_size})"
-            )
+            msg = f"{where}, but rank(s) {ranks} never joined (world_size={spec.world_size})"
+            self.store.set(self.key("abort"), msg.encode())
+            raise RendezvousError(msg)
         records = [self._get(k) for k in keys]
         self._validate(records, record)
         return records
@@ -188,6 +195,7 @@ class Rendezvous:
         pending = [k for k in keys]
         while True:
             pending = [k for k in pending if not self.store.check([self.key(k)])]
+            self._seen = set(keys) - set(pending)
             if dead:
                 pending = [k for k in pending if int(k.rsplit("/", 1)[1]) not in dead]
             if not pending:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,9 @@ class RRefContext:
         #: user and that child has not accepted. Leave on RREF_CHILD_ACCEPT or child death.
         self.pending_children: dict[ForkId, tuple[UserRecord, int]] = {}
         self.dead: set[int] = set()  #: workers declared dead
+        #: rref id -> record, for every value owned here while anything references it
+        #: (``owners`` or a local RRef object): how an RRef sent to itself finds its value.
+        self.known_owned: weakref.WeakValueDictionary[RRefId, OwnerRecord] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------ user side
     def new_remote_user(self, owner: int, type_name: str = "object", timeout: float = 0.0) -> UserRecord:
@@ -228,10 +232,15 @@ class RRefContext:
             return user, [ForkRequest(data.owner, data.rref_id, data.fork_id, data.parent)]
 
     # ------------------------------------------------------------------ owner side
-    def _owner_record(self, rref_id: RRefId, type_name: str = "object") -> OwnerRecord:
-        rec = self.owners.get(rref_id)
+    def _owner_record(self, rref_id: RRefId, type_name: str = "object", register: bool = False) -> OwnerRecord:
+        """The record of an owned RRef; a placeholder if its creation has not arrived yet
+        (placeholders and ``register=True`` records - about to get a fork - go in owners)."""
+        rec = self.owners.get(rref_id) or self.known_owned.get(rref_id)
         if rec is None:
             rec = OwnerRecord(rref_id, type_name)
+            self.known_owned[rref_id] = rec
+            register = True
+        if register:
             self.owners[rref_id] = rec
         return rec
 
@@ -240,12 +249,14 @@ class RRefContext:
         rec = OwnerRecord(self.ids.new(), type_name, created=True)
         if value is not _NO_VALUE:
             rec.state, rec.value = READY, value
+        with self._lock:
+            self.known_owned[rec.rref_id] = rec
         return rec
 
     def on_remote_request(self, rref_id: RRefId, fork_id: ForkId, creator: int, type_name: str) -> OwnerRecord:
         """PYTHON_REMOTE arrived: register the creator's fork; the value follows."""
         with self._lock:
-            rec = self._owner_record(rref_id, type_name)
+            rec = self._owner_record(rref_id, type_name, register=True)
             rec.created = True
             self.forks.setdefault(rref_id, {})[fork_id] = creator
             return rec
@@ -277,7 +288,7 @@ class RRefContext:
 
     def on_fork_request(self, rref_id: RRefId, fork_id: ForkId, requester: int) -> None:
         with self._lock:
-            self._owner_record(rref_id)
+            self._owner_record(rref_id, register=True)
             self.forks.setdefault(rref_id, {})[fork_id] = requester
 
     def on_user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:

@@ -1,0 +1,96 @@
+"""Test support: free ports, bounded polling, and worker processes that are always reaped.
+
+Worker processes are started with subprocess (never fork()) in a session of their own, and
+every one of them is killed by pid when its group is torn down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
+    """Return the first truthy value of ``predicate()`` or raise AssertionError after
+    ``timeout`` seconds. The interval only paces re-checks of a condition."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+        time.sleep(interval)
+
+
+def env_for(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class Workers:
+    """Subprocess workers running ``tests/worker_main.py`` with a JSON spec each."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, spec: dict[str, Any], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "worker_main.py"), json.dumps(spec)],
+            env=env_for(extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.procs.append(p)
+        return p
+
+    def wait_all(self, timeout: float) -> list[tuple[int, str]]:
+        """Wait for every worker (bounded); return (returncode, output) per worker."""
+        deadline = time.monotonic() + timeout
+        out = []
+        for p in self.procs:
+            try:
+                text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(p)
+                text, _ = p.communicate(timeout=5)
+                text = (text or "") + "\n<killed: did not exit in time>"
+            out.append((p.returncode, text or ""))
+        return out
+
+    @staticmethod
+    def kill(p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            self.kill(p)
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass

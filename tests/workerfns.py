@@ -1,0 +1,169 @@
+"""Functions the tests call remotely (importable on every worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+
+import rrefrt
+
+
+class UserDefinedError(Exception):
+    pass
+
+
+class NeedsTwoArgs(Exception):
+    def __init__(self, a: Any, b: Any) -> None:
+        super().__init__(a, b)
+        self.a, self.b = a, b
+
+
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+def echo_kwargs(*args: Any, **kwargs: Any) -> Any:
+    return args, kwargs
+
+
+def raise_value_error(msg: str) -> None:
+    raise ValueError(msg)
+
+
+def raise_user_error() -> None:
+    raise UserDefinedError("custom failure")
+
+
+def raise_two_args() -> None:
+    raise NeedsTwoArgs(1, 2)
+
+
+def sleep_for(seconds: float) -> float:
+    threading.Event().wait(seconds)  # the duration is what the test measures
+    return seconds
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def call_back(to: str, a: int, b: int) -> Any:
+    return rrefrt.rpc_sync(to, add, args=(a, b))
+
+
+def fan_out(targets: list[str], n: int) -> int:
+    futs = [rrefrt.rpc_async(targets[i % len(targets)], add, args=(i, 1)) for i in range(n)]
+    return sum(rrefrt.futures.wait_all(futs))
+
+
+def debug_info() -> dict:
+    return rrefrt.get_debug_info()
+
+
+def worker_name() -> str:
+    return rrefrt.get_worker_info().name
+
+
+async def async_add(a: int, b: int) -> int:
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+@rrefrt.functions.async_execution
+def async_exec_add(to: str, a: int, b: int) -> rrefrt.Future:
+    return rrefrt.rpc_async(to, add, args=(a, b)).then(lambda f: f.value() * 10)
+
+
+@rrefrt.functions.async_execution
+def async_exec_fail() -> rrefrt.Future:
+    fut: rrefrt.Future = rrefrt.Future()
+    fut.set_exception(UserDefinedError("set_exception on the callee"))
+    return fut
+
+
+class Counter:
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    def increment(self, by: int = 1) -> int:
+        self.value += by
+        return self.value
+
+    def get(self) -> int:
+        return self.value
+
+    @staticmethod
+    def static_add(a: int, b: int) -> int:
+        return a + b
+
+    @classmethod
+    def class_name(cls) -> str:
+        return cls.__name__
+
+
+# ---- RRef helpers
+def make_rref(value: Any) -> rrefrt.RRef:
+    """An RRef owned by the worker running this (returned: owner -> caller)."""
+    return rrefrt.RRef(value)
+
+
+def rref_value(rref: rrefrt.RRef) -> Any:
+    return rref.to_here()
+
+
+def rref_local_value(rref: rrefrt.RRef) -> Any:
+    return rref.local_value()
+
+
+def rref_is_owner(rref: rrefrt.RRef) -> bool:
+    return rref.is_owner()
+
+
+def rref_pass_on(rref: rrefrt.RRef, to: str) -> Any:
+    """user -> user along a chain: pass the RRef on to ``to`` and read it there."""
+    return rrefrt.rpc_sync(to, rref_value, args=(rref,))
+
+
+def rref_remote_on(to: str, value: Any) -> rrefrt.RRef:
+    """An RRef owned by a third worker, returned to the caller."""
+    return rrefrt.remote(to, identity, args=(value,))
+
+
+def rrefs_in_container(refs: dict) -> int:
+    return sum(r.to_here() for r in refs["list"]) + refs["one"].to_here()
+
+
+_kept: list = []
+
+
+def keep(rrefs: list) -> int:
+    _kept.extend(rrefs)
+    return len(_kept)
+
+
+def drop_kept() -> int:
+    n = len(_kept)
+    _kept.clear()
+    return n
+
+
+def consume(rref: rrefrt.RRef) -> int:
+    return 1
+
+
+def owner_counts() -> dict:
+    info = rrefrt.get_debug_info()
+    return {k: info[k] for k in ("num_owner_rrefs", "num_forks", "num_pending_users", "num_pending_children", "num_confirmed_users")}
+
+
+def block_on_event(seconds: float) -> float:
+    t0 = time.monotonic()
+    threading.Event().wait(seconds)
+    return time.monotonic() - t0
