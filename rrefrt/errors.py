@@ -61,3 +61,20 @@ class RemoteError(RpcError):
 
 class RRefCreationError(RpcError):
     """The value of an RRef was never created (the creating call failed or was lost)."""
+
+
+def fresh(err: BaseException) -> BaseException:
+    """A copy of a stored error, to raise without growing the stored one's traceback.
+
+    Errors kept on RRef records are raised on every later use; raising the stored object
+    itself would chain frames (and the RRef objects in them) onto it: a reference cycle
+    through the RRef context that keeps those RRefs alive forever.
+    """
+    import copy
+
+    try:
+        out = copy.copy(err)
+    except Exception:
+        out = RpcError(str(err))
+    out.__traceback__ = None
+    return out

@@ -17,7 +17,7 @@ import time
 from typing import Any, Generic, TypeVar
 
 from . import state
-from .errors import RpcError, RpcTimeoutError, ShutdownError
+from .errors import RpcError, RpcTimeoutError, ShutdownError, fresh
 from .futures import Future
 from .rref_context import OwnerRecord, UserRecord
 
@@ -99,7 +99,7 @@ class RRef(Generic[T]):
             if rec.closed_by_shutdown:
                 raise ShutdownError(f"{self!r} was deleted by rrefrt.shutdown()")
             if rec.error is not None:
-                raise rec.error
+                raise fresh(rec.error)
             if not rec.confirmed and rec.creation_deadline is not None and time.monotonic() > rec.creation_deadline:
                 raise RpcTimeoutError(f"the creation of {self!r} on its owner did not finish within its timeout")
         if self._rt is not state.current_or_none():

@@ -27,7 +27,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import OwnerDiedError, RpcError
+from .errors import OwnerDiedError, RpcError, fresh
 from .ids import ForkId, IdGenerator, RRefId
 from .messages import (
     Action,
@@ -192,7 +192,7 @@ class RRefContext:
         fid = self.ids.new()
         with self._lock:
             if rec.error is not None:
-                raise rec.error
+                raise fresh(rec.error)
             if rec.fork_id not in self.pending_users and rec.fork_id not in self.confirmed_users:
                 raise RpcError(f"RRef {rec.rref_id} (fork {rec.fork_id}) was already deleted on this worker")
             rec.children += 1

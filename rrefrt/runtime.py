@@ -40,6 +40,7 @@ from .errors import (
     SerializationError,
     ShutdownError,
     WorkerUnavailableError,
+    fresh,
 )
 from .futures import Future
 from .ids import ForkId, IdGenerator, RRefId
@@ -202,7 +203,7 @@ class Runtime:
         if not self.ctx.wait_value(rec, deadline):
             raise RpcTimeoutError(f"the value of RRef {rec.rref_id} on worker {self.info.name!r} was not created within {timeout:.3f}s")
         if rec.state == FAILED:
-            raise rec.error  # type: ignore[misc]
+            raise fresh(rec.error)  # type: ignore[arg-type]
         return rec.value
 
     def _dumps_call(self, func: Any, args: Any, kwargs: Any, dest: int) -> tuple[list[Any], list[Any]]:
@@ -215,7 +216,7 @@ class Runtime:
     def _dumps(self, obj: Any, dest: int) -> tuple[list[Any], list[Any]]:
         try:
             return ser.dumps(obj, lambda r: self._fork(r, dest), self._device_map(dest))
-        except RpcError as e:
+        except Exception as e:
             self._abort_forks(getattr(e, "forks", []))
             raise
 

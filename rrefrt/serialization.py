@@ -106,13 +106,18 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self._fork = fork
         self.forks: list[Any] = []
+        self.fork_error: BaseException | None = None
         self._torch = sys.modules.get("torch")
 
     def reducer_override(self, obj: Any) -> Any:
         if getattr(obj, "_rrefrt_is_rref", False):
             if self._fork is None:
                 raise SerializationError("RRefs can only be sent as arguments or results of rrefrt calls")
-            self.forks.append(self._fork(obj))
+            try:
+                self.forks.append(self._fork(obj))
+            except BaseException as e:  # e.g. the RRef's creation failed: raised as-is
+                self.fork_error = e
+                raise
             return (_load_rref, (len(self.forks) - 1,))
         torch = self._torch
         if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided:
@@ -147,6 +152,9 @@ def dumps(
         e.forks = p.forks  # type: ignore[attr-defined]
         raise
     except Exception as e:
+        if e is p.fork_error:
+            e.forks = p.forks  # type: ignore[attr-defined]
+            raise
         err = SerializationError(f"cannot send {_describe(obj)}: {type(e).__name__}: {e}")
         err.forks = p.forks  # type: ignore[attr-defined]
         raise err from e
