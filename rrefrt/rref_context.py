@@ -178,10 +178,11 @@ class RRefContext:
 
     # ------------------------------------------------------------------ forks in messages
     def fork_owned(self, record: OwnerRecord, dest: int) -> ForkData:
-        """The owner sends its RRef to ``dest``: register the fork before it leaves (G2)."""
+        """The owner sends its RRef to ``dest``: register the fork before it leaves (G2).
+        Also when ``dest`` is this worker (a call to itself): the fork keeps the record in
+        ``owners`` while the message is in flight, and it has its own id, so that undoing it
+        (``abort_fork``) cannot drop the creator's fork, whose id is the RRef id."""
         with self._lock:
-            if dest == self.worker_id:
-                return ForkData(record.rref_id, record.rref_id, self.worker_id, self.worker_id, record.type_name)
             fid = self.ids.new()
             self.owners[record.rref_id] = record
             self.forks.setdefault(record.rref_id, {})[fid] = dest
@@ -214,10 +215,11 @@ class RRefContext:
         with self._lock:
             if data.owner == self.worker_id:
                 rec = self._owner_record(data.rref_id, data.type_name)
-                actions: list[Action] = []
-                if data.parent != self.worker_id:
-                    actions.append(ChildAccept(data.parent, data.fork_id))
-                return rec, actions
+                if data.parent == self.worker_id:
+                    # our own fork came back (fork_owned to self): the new RRef object holds
+                    # the record now, so the fork that covered the message goes
+                    return rec, self._drop_fork(data.rref_id, data.fork_id)
+                return rec, [ChildAccept(data.parent, data.fork_id)]
             user = UserRecord(data.rref_id, data.fork_id, data.owner, data.parent, data.type_name)
             if data.owner in self.dead:
                 user.error = OwnerDiedError(f"owner worker {data.owner} of RRef {data.rref_id} is dead")

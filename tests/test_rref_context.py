@@ -1,0 +1,770 @@
+"""The RRef protocol state machine (rrefrt.rref_context) on its own, without I/O.
+
+Part 1 drives the RRefContexts of three simulated workers with hypothesis: a simulated
+network holds the messages in flight and rules deliver them in any order, each exactly
+once. The events are mapped to messages the way rrefrt.runtime does it (remote(),
+_fork / _rrefs_from_forks, _perform, _control_item, _finish_call), and a ground truth kept
+by the test (live RRef objects, forks in flight) checks G1 and G2 at every step and the
+absence of leaks at teardown.
+
+Part 2 holds deterministic tests of single scenarios (message orders that matter, peer
+death, validate()).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from rrefrt.errors import OwnerDiedError
+from rrefrt.ids import ForkId, IdGenerator, RRefId
+from rrefrt.messages import ChildAccept, ForkData, ForkRequest, Release, ServeFetch, UserDelete
+from rrefrt.rref_context import FAILED, PENDING, READY, OwnerRecord, RRefContext, UserRecord
+
+WORKERS = (0, 1, 2)
+PAIRS = [(a, b) for a in WORKERS for b in WORKERS if a != b]
+ZERO_COUNTS = {
+    "num_owner_rrefs": 0,
+    "num_forks": 0,
+    "num_pending_users": 0,
+    "num_pending_children": 0,
+    "num_confirmed_users": 0,
+    "num_deleting_users": 0,
+}
+
+
+def new_ctx(worker: int) -> RRefContext:
+    return RRefContext(worker, IdGenerator(worker))
+
+
+# ====================================================================== part 1: model
+@dataclass(eq=False)
+class Front:
+    """A Python RRef object on ``worker``: a UserRRef (``rec`` is a UserRecord) or an
+    OwnerRRef (``rec`` is the OwnerRecord itself)."""
+
+    worker: int
+    kind: str  # "user" | "owner"
+    rid: RRefId
+    rec: Any
+    pins: int = 0  # to_here() calls in progress (the object is referenced until they return)
+
+    def __repr__(self) -> str:
+        fid = self.rec.fork_id if self.kind == "user" else "-"
+        return f"Front(w{self.worker} {self.kind} rref={self.rid} fork={fid})"
+
+
+@dataclass(eq=False)
+class Msg:
+    kind: str
+    src: int
+    dest: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in self.args.items() if k not in ("value", "rec", "front")}
+        return f"Msg({self.kind} {self.src}->{self.dest} {shown})"
+
+
+def _tracked(fn: Any) -> Any:
+    """Remember that a step failed, so teardown does not pile a second error on top."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "RRefProtocolMachine", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException:
+            self.failed = True
+            raise
+
+    return wrapper
+
+
+class RRefProtocolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ctxs = [new_ctx(w) for w in WORKERS]
+        self.net: list[Msg] = []  # in flight, delivered in any order
+        self.fronts: list[Front] = []  # live Python RRef objects
+        self.owner_of: dict[RRefId, int] = {}
+        self.values: dict[RRefId, object] = {}
+        #: the one OwnerRecord each RRef may ever have on its owner (a second one means the
+        #: owner dropped the first while it was still referenced, then re-created it empty).
+        #: Weak, like the runtime: a record lives only while the context or an RRef object
+        #: holds it, so a record dropped too early really disappears here too.
+        self.canonical: dict[RRefId, weakref.ref[OwnerRecord]] = {}
+        #: forks whose holder has received the owner's confirmation (REMOTE_RET, the fork
+        #: request's ack, or a fork sent by the owner itself)
+        self.confirmed: set[ForkId] = set()
+        #: child fork id -> (parent worker, parent fork id), from fork_user until the child's
+        #: RREF_CHILD_ACCEPT reaches the parent (or the send is aborted)
+        self.open_children: dict[ForkId, tuple[int, ForkId]] = {}
+        self.deletes_sent: set[ForkId] = set()
+        self.fetches: dict[int, Front] = {}
+        self.msg_ids = itertools.count(1)
+        self.failed = False
+
+    # ------------------------------------------------------------------ ground truth
+    def _refs(self, rid: RRefId) -> list[Any]:
+        """What needs the owner's record of ``rid``: live UserRRefs and messages carrying
+        one of its forks (G2)."""
+        out: list[Any] = [f for f in self.fronts if f.kind == "user" and f.rid == rid]
+        out += [m for m in self.net if m.kind == "call" and m.args["data"].rref_id == rid]
+        return out
+
+    def _undeleted_user_forks(self, rid: RRefId) -> list[UserRecord]:
+        return [
+            rec
+            for c in self.ctxs
+            for table in (c.pending_users, c.confirmed_users)
+            for rec in table.values()
+            if rec.rref_id == rid
+        ]
+
+    def _observe_owner(self, worker: int, rid: RRefId, rec: OwnerRecord) -> None:
+        assert self.owner_of[rid] == worker, f"worker {worker} has an owner record of {rid} it does not own"
+        known = self.canonical.setdefault(rid, weakref.ref(rec))()
+        assert rec is known, (
+            f"worker {worker} re-created the owner record of {rid}: the first one was dropped while "
+            "still referenced (G2: an OwnerRRef died before its last user)"
+        )
+
+    @staticmethod
+    def _usable(f: Front) -> bool:
+        """RRef._check passes: an OwnerRRef, or a UserRRef whose record has no error."""
+        return f.kind == "owner" or f.rec.error is None
+
+    def _pick(self, idx: int, kind: str | None = None, usable: bool = False, unpinned: bool = False) -> Front:
+        cands = [
+            f
+            for f in self.fronts
+            if (kind is None or f.kind == kind) and not (usable and not self._usable(f)) and not (unpinned and f.pins)
+        ]
+        assert cands, "precondition let an impossible step through"
+        return cands[idx % len(cands)]
+
+    # ------------------------------------------------------------------ actions -> messages
+    def _perform(self, worker: int, actions: list[Any]) -> None:
+        """runtime._perform: every action becomes a message (or, for Release, a check)."""
+        for a in actions:
+            if isinstance(a, ForkRequest):
+                assert a.dest == self.owner_of[a.rref_id], "fork request sent to a non-owner"
+                self.net.append(Msg("fork_request", worker, a.dest, {"rid": a.rref_id, "fid": a.fork_id, "parent": a.parent}))
+            elif isinstance(a, ChildAccept):
+                self.net.append(Msg("child_accept", worker, a.dest, {"fid": a.fork_id}))
+            elif isinstance(a, UserDelete):
+                assert a.dest == self.owner_of[a.rref_id], "user delete sent to a non-owner"
+                assert a.fork_id in self.confirmed, f"G1: fork {a.fork_id} deleted before the owner confirmed it"
+                assert a.fork_id not in self.deletes_sent, f"fork {a.fork_id} deleted twice"
+                kids = [c for c, p in self.open_children.items() if p == (worker, a.fork_id)]
+                assert not kids, f"G1: fork {a.fork_id} deleted while its children {kids} are not accepted"
+                self.deletes_sent.add(a.fork_id)
+                self.net.append(Msg("user_delete", worker, a.dest, {"rid": a.rref_id, "fid": a.fork_id}))
+            elif isinstance(a, ServeFetch):
+                self.net.append(Msg("fetch_ret", worker, a.src, {"msg_id": a.msg_id, "rec": a.record}))
+            elif isinstance(a, Release):
+                self._check_release(worker, a.record)
+            else:  # pragma: no cover
+                raise AssertionError(f"unknown action {a!r}")
+
+    def _check_release(self, worker: int, rec: OwnerRecord) -> None:
+        rid = rec.rref_id
+        self._observe_owner(worker, rid, rec)
+        assert rec.state != PENDING, f"released {rid} before its value was set"
+        assert rid not in self.ctxs[worker].owners, f"Release of {rid} still in owners"
+        refs = self._refs(rid)
+        assert not refs, f"G2: owner {worker} released {rid} while still referenced by {refs}"
+
+    # ------------------------------------------------------------------ rules: user code
+    @initialize(pair=st.sampled_from(PAIRS))
+    @_tracked
+    def first_remote(self, pair: tuple[int, int]) -> None:
+        self.remote(pair, False)
+
+    @rule(pair=st.sampled_from(PAIRS), fails=st.sampled_from([False, False, False, True]))
+    @_tracked
+    def remote(self, pair: tuple[int, int], fails: bool) -> None:
+        """runtime.remote() to another worker; the function may raise (``fails``)."""
+        creator, owner = pair
+        rec = self.ctxs[creator].new_remote_user(owner)
+        rid = rec.rref_id
+        assert rec.fork_id == rid and rid not in self.owner_of
+        self.owner_of[rid] = owner
+        self.values[rid] = value = object()
+        self.fronts.append(Front(creator, "user", rid, rec))
+        self.net.append(Msg("remote", creator, owner, {"rid": rid, "fid": rec.fork_id, "value": value, "fails": fails}))
+
+    @rule(worker=st.sampled_from(WORKERS))
+    @_tracked
+    def local_rref(self, worker: int) -> None:
+        """RRef(value) on ``worker``: an OwnerRRef, not in ``owners`` until forked."""
+        value = object()
+        rec = self.ctxs[worker].new_local_owner(value, "object")
+        self.owner_of[rec.rref_id] = worker
+        self.values[rec.rref_id] = value
+        self._observe_owner(worker, rec.rref_id, rec)
+        self.fronts.append(Front(worker, "owner", rec.rref_id, rec))
+
+    def _fork(self, front: Front, dest: int) -> ForkData:
+        """runtime._fork: the RRef is pickled into a message to ``dest``."""
+        ctx = self.ctxs[front.worker]
+        if front.kind == "owner":
+            data = ctx.fork_owned(front.rec, dest)
+            assert data.parent == front.worker == data.owner
+        else:
+            assert front.rec.alive and front.rec.error is None
+            data = ctx.fork_user(front.rec, dest)
+            assert data.parent == front.worker and data.owner == front.rec.owner
+            self.open_children[data.fork_id] = (front.worker, front.rec.fork_id)
+        assert data.rref_id == front.rid
+        return data
+
+    @precondition(lambda self: any(map(self._usable, self.fronts)))
+    @rule(idx=st.integers(0, 1000), dest=st.sampled_from(WORKERS))
+    @_tracked
+    def send_rref(self, idx: int, dest: int) -> None:
+        """rpc/remote to ``dest`` (itself included) with the RRef as an argument."""
+        front = self._pick(idx, usable=True)
+        data = self._fork(front, dest)
+        self.net.append(Msg("call", front.worker, dest, {"data": data}))
+
+    @precondition(lambda self: any(map(self._usable, self.fronts)))
+    @rule(idx=st.integers(0, 1000), dest=st.sampled_from(WORKERS))
+    @_tracked
+    def send_rref_fails(self, idx: int, dest: int) -> None:
+        """The message carrying the fork could not be sent: runtime._abort_forks."""
+        front = self._pick(idx, usable=True)
+        data = self._fork(front, dest)
+        self.open_children.pop(data.fork_id, None)
+        self._perform(front.worker, self.ctxs[front.worker].abort_fork(data))
+
+    @precondition(lambda self: any(f.pins == 0 for f in self.fronts))
+    @rule(idx=st.integers(0, 1000))
+    @_tracked
+    def drop(self, idx: int) -> None:
+        """The Python RRef object goes away (RRef.__del__ -> enqueue_drop)."""
+        front = self._pick(idx, unpinned=True)
+        self.fronts.remove(front)
+        if front.kind == "user":
+            self._perform(front.worker, self.ctxs[front.worker].user_dropped(front.rec.fork_id))
+
+    @precondition(lambda self: any(f.kind == "user" and self._usable(f) for f in self.fronts))
+    @rule(idx=st.integers(0, 1000))
+    @_tracked
+    def to_here(self, idx: int) -> None:
+        """A UserRRef fetches its value: RREF_FETCH, answered (maybe later) by ServeFetch.
+        The object stays referenced until the answer arrives (to_here() is running)."""
+        front = self._pick(idx, kind="user", usable=True)
+        mid = next(self.msg_ids)
+        front.pins += 1
+        self.fetches[mid] = front
+        self.net.append(Msg("fetch", front.worker, front.rec.owner, {"rid": front.rid, "msg_id": mid}))
+
+    # ------------------------------------------------------------------ rules: the network
+    def _deliver(self, idx: int) -> None:
+        msg = self.net.pop(idx % len(self.net))
+        self._handle(msg)
+
+    @precondition(lambda self: self.net)
+    @rule(idx=st.integers(0, 1000))
+    @_tracked
+    def deliver(self, idx: int) -> None:
+        self._deliver(idx)
+
+    @precondition(lambda self: self.net)
+    @rule(idx=st.integers(0, 1000))
+    @_tracked
+    def deliver_more(self, idx: int) -> None:  # a second rule: delivery is chosen more often
+        self._deliver(idx)
+
+    @precondition(lambda self: self.net)
+    @rule(idx=st.integers(0, 1000))
+    @_tracked
+    def deliver_even_more(self, idx: int) -> None:
+        self._deliver(idx)
+
+    def _handle(self, msg: Msg) -> None:
+        ctx = self.ctxs[msg.dest]
+        a = msg.args
+        w = msg.dest
+        if msg.kind == "remote":
+            # runtime._on_message (PYTHON_REMOTE): register the creator's fork, then the
+            # function runs on the pool while other messages keep arriving ("run" below)
+            rec = ctx.on_remote_request(a["rid"], a["fid"], msg.src, "object")
+            self._observe_owner(w, a["rid"], rec)
+            assert rec.created
+            self.net.append(Msg("run", w, w, {**a, "creator": msg.src, "rec": rec}))
+        elif msg.kind == "run":
+            # runtime._finish_call: set_value (or the error), then REMOTE_RET
+            rec = a["rec"]
+            err = RuntimeError("user function failed") if a["fails"] else None
+            self._perform(w, ctx.set_value(rec, a["value"], err))
+            assert rec.state == (FAILED if err else READY)
+            assert rec.value is a["value"] if err is None else rec.error is err
+            self.net.append(Msg("remote_ret", w, a["creator"], {"fid": a["fid"], "error": err}))
+        elif msg.kind == "remote_ret":
+            self.confirmed.add(a["fid"])
+            self._perform(w, ctx.on_remote_ret(a["fid"], a["error"]))
+        elif msg.kind == "call":
+            # runtime._rrefs_from_forks
+            data: ForkData = a["data"]
+            rec, actions = ctx.on_fork_received(data, msg.src)
+            if data.owner == w:
+                assert isinstance(rec, OwnerRecord)
+                self._observe_owner(w, data.rref_id, rec)
+                self.fronts.append(Front(w, "owner", data.rref_id, rec))
+            else:
+                assert isinstance(rec, UserRecord) and rec.alive and rec.error is None
+                assert rec.fork_id == data.fork_id and rec.owner == data.owner
+                if data.parent == data.owner:
+                    self.confirmed.add(data.fork_id)  # early fork registration by the owner
+                self.fronts.append(Front(w, "user", data.rref_id, rec))
+            self._perform(w, actions)
+        elif msg.kind == "fork_request":
+            # runtime._control_item RREF_FORK_REQUEST: register, then the ack
+            ctx.on_fork_request(a["rid"], a["fid"], msg.src)
+            self._observe_owner(w, a["rid"], ctx.owners[a["rid"]])
+            self.net.append(Msg("fork_ack", w, msg.src, {"fid": a["fid"]}))
+        elif msg.kind == "fork_ack":
+            self.confirmed.add(a["fid"])
+            self._perform(w, ctx.on_fork_request_ack(a["fid"]))
+        elif msg.kind == "child_accept":
+            parent = self.open_children.pop(a["fid"], None)
+            assert parent is not None and parent[0] == w, f"unexpected child accept {msg!r}"
+            self._perform(w, ctx.on_child_accept(a["fid"]))
+        elif msg.kind == "user_delete":
+            assert a["fid"] in ctx.forks.get(a["rid"], {}), f"G1: {msg!r} arrived before the owner registered the fork"
+            self._perform(w, ctx.on_user_delete(a["rid"], a["fid"]))
+            self.net.append(Msg("delete_ack", w, msg.src, {"fid": a["fid"]}))
+        elif msg.kind == "delete_ack":
+            assert a["fid"] in ctx.deleting_users
+            ctx.on_user_delete_ack(a["fid"])
+        elif msg.kind == "fetch":
+            sf = ctx.on_fetch(a["rid"], msg.src, a["msg_id"])
+            self._observe_owner(w, a["rid"], sf.record if sf is not None else ctx.owners[a["rid"]])
+            if sf is not None:
+                self._perform(w, [sf])
+        elif msg.kind == "fetch_ret":
+            front = self.fetches.pop(a["msg_id"])
+            rec = a["rec"]
+            assert rec is self.canonical[front.rid]() and rec.state in (READY, FAILED)
+            if rec.state == READY:
+                assert rec.value is self.values[front.rid], "fetch served the wrong value"
+            front.pins -= 1
+        else:  # pragma: no cover
+            raise AssertionError(f"unknown message {msg!r}")
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    @_tracked
+    def contexts_valid(self) -> None:
+        for c in self.ctxs:
+            c.validate()
+
+    @invariant()
+    @_tracked
+    def owner_keeps_referenced_records(self) -> None:
+        """G2, structurally: while an RRef is referenced (a live UserRRef, a message with one
+        of its forks - to the owner itself included - or an undeleted user fork anywhere),
+        its one record stays alive and in the owner's ``owners`` map (once it was there or
+        its creation arrived)."""
+        for rid, ref in self.canonical.items():
+            rec = ref()
+            owner = self.ctxs[self.owner_of[rid]]
+            in_map = owner.owners.get(rid)
+            assert in_map is None or in_map is rec, f"owner record of {rid} replaced"
+            referenced = self._refs(rid) + self._undeleted_user_forks(rid)
+            if not referenced:
+                continue
+            assert rec is not None, f"G2: the owner record of {rid} was lost while referenced by {referenced}"
+            if rec.created or in_map is not None:
+                assert in_map is rec, f"G2: {rid} dropped by its owner while referenced by {referenced}"
+
+    # ------------------------------------------------------------------ teardown
+    def _flush(self) -> None:
+        for _ in range(10_000):
+            if not self.net:
+                return
+            self._handle(self.net.pop(0))
+        raise AssertionError("messages keep coming")
+
+    def teardown(self) -> None:
+        if self.failed:
+            return
+        # deliver everything, then the program lets go of every RRef, until quiet
+        for _ in range(50):
+            self._flush()
+            for c in self.ctxs:
+                c.validate()
+            if not self.fronts:
+                break
+            for front in list(self.fronts):
+                assert front.pins == 0
+                self.fronts.remove(front)
+                if front.kind == "user":
+                    self._perform(front.worker, self.ctxs[front.worker].user_dropped(front.rec.fork_id))
+        self._flush()
+        assert not self.open_children and not self.fetches
+        for c in self.ctxs:
+            c.validate()
+            # no OwnerRRef outlived its last user, no user state left behind
+            assert c.counts() == ZERO_COUNTS, f"worker {c.worker_id} leaked: {c.counts()} owners={c.owners} forks={c.forks}"
+            assert c.leaks() == []
+
+
+TestRRefProtocol = RRefProtocolMachine.TestCase
+TestRRefProtocol.settings = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestRRefProtocol = pytest.mark.timeout(300)(TestRRefProtocol)
+
+
+# ====================================================================== part 2: scenarios
+def _make_confirmed_user(user: RRefContext, owner: RRefContext, value: Any = "v") -> tuple[UserRecord, OwnerRecord]:
+    """remote() from ``user`` to ``owner``, every message delivered at once."""
+    urec = user.new_remote_user(owner.worker_id)
+    orec = owner.on_remote_request(urec.rref_id, urec.fork_id, user.worker_id, "object")
+    assert owner.set_value(orec, value) == []
+    assert user.on_remote_ret(urec.fork_id, None) == []
+    assert urec.confirmed and urec.fork_id in user.confirmed_users
+    return urec, orec
+
+
+def _validate(*ctxs: RRefContext) -> None:
+    for c in ctxs:
+        c.validate()
+
+
+def test_user_delete_does_not_overtake_fork_in_flight() -> None:
+    """A (user of B's RRef) sends its fork to C and drops its own object at once. A's
+    RREF_USER_DELETE must wait for C's RREF_CHILD_ACCEPT, and B keeps the value meanwhile."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    urec, orec = _make_confirmed_user(a, b)
+    rid = urec.rref_id
+
+    data = a.fork_user(urec, 2)  # the fork leaves in a message to C
+    assert a.user_dropped(urec.fork_id) == []  # A's object goes away: no delete yet
+    assert a.counts()["num_pending_children"] == 1
+    _validate(a, b, c)
+
+    crec, actions = c.on_fork_received(data, 0)
+    assert isinstance(crec, UserRecord) and not crec.confirmed
+    assert actions == [ForkRequest(1, rid, data.fork_id, 0)]
+    assert b.owners[rid] is orec  # C's fork request pending: B keeps the value
+    _validate(a, b, c)
+
+    b.on_fork_request(rid, data.fork_id, 2)
+    assert set(b.forks[rid]) == {urec.fork_id, data.fork_id}
+    ack_actions = c.on_fork_request_ack(data.fork_id)
+    assert ack_actions == [ChildAccept(0, data.fork_id)]
+    assert crec.confirmed
+    _validate(a, b, c)
+
+    # the ChildAccept is delayed: A still must not delete; nothing else A does changes that
+    assert a.user_dropped(urec.fork_id) == []
+    assert a.on_child_accept(ForkId(2, 999)) == []  # an unrelated (stale) accept
+    assert a.counts()["num_deleting_users"] == 0
+    assert b.owners[rid] is orec and orec.state == READY
+    _validate(a, b, c)
+
+    # now the ChildAccept arrives: A deletes its fork, B keeps the value for C
+    assert a.on_child_accept(data.fork_id) == [UserDelete(1, rid, urec.fork_id)]
+    assert b.on_user_delete(rid, urec.fork_id) == []
+    a.on_user_delete_ack(urec.fork_id)
+    assert b.owners[rid] is orec
+    _validate(a, b, c)
+
+    # C lets go: only now B releases
+    assert c.user_dropped(data.fork_id) == [UserDelete(1, rid, data.fork_id)]
+    assert b.on_user_delete(rid, data.fork_id) == [Release(orec)]
+    c.on_user_delete_ack(data.fork_id)
+    _validate(a, b, c)
+    for x in (a, b, c):
+        assert x.counts() == ZERO_COUNTS
+
+
+def test_fork_request_before_parent_registered_keeps_placeholder() -> None:
+    """A's PYTHON_REMOTE is overtaken by C's fork request for the same RRef: B must keep
+    the placeholder (and reuse it for the creation), not release anything early."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    urec = a.new_remote_user(1)
+    rid = urec.rref_id
+    data = a.fork_user(urec, 2)
+    _, actions = c.on_fork_received(data, 0)
+    assert actions == [ForkRequest(1, rid, data.fork_id, 0)]
+    b.on_fork_request(rid, data.fork_id, 2)
+    placeholder = b.owners[rid]
+    assert placeholder.state == PENDING and not placeholder.created
+    assert c.on_fork_request_ack(data.fork_id) == [ChildAccept(0, data.fork_id)]
+    assert a.on_child_accept(data.fork_id) == []
+    assert a.user_dropped(urec.fork_id) == []  # not confirmed yet (G1)
+    assert c.user_dropped(data.fork_id) == [UserDelete(1, rid, data.fork_id)]
+    assert b.on_user_delete(rid, data.fork_id) == []  # not created yet: kept
+    assert b.owners[rid] is placeholder
+    _validate(a, b, c)
+    rec = b.on_remote_request(rid, urec.fork_id, 0, "object")
+    assert rec is placeholder
+    assert b.set_value(rec, "v") == []  # A's fork still registered
+    assert a.on_remote_ret(urec.fork_id, None) == [UserDelete(1, rid, urec.fork_id)]
+    assert b.on_user_delete(rid, urec.fork_id) == [Release(rec)]
+    a.on_user_delete_ack(urec.fork_id)
+    c.on_user_delete_ack(data.fork_id)
+    for x in (a, b, c):
+        x.validate()
+        assert x.counts() == ZERO_COUNTS
+
+
+def test_g1_user_dropped_before_remote_ret_deletes_only_after_it() -> None:
+    a, b = new_ctx(0), new_ctx(1)
+    urec = a.new_remote_user(1)
+    rid = urec.rref_id
+    assert a.user_dropped(urec.fork_id) == []  # REMOTE_RET not here yet: no delete (G1)
+    assert a.user_dropped(urec.fork_id) == []  # a second drop is harmless
+    assert a.counts()["num_pending_users"] == 1 and a.counts()["num_deleting_users"] == 0
+    _validate(a, b)
+
+    orec = b.on_remote_request(rid, urec.fork_id, 0, "object")
+    assert b.set_value(orec, "v") == []  # the creator's fork keeps it
+    _validate(a, b)
+
+    assert a.on_remote_ret(urec.fork_id, None) == [UserDelete(1, rid, urec.fork_id)]
+    assert a.counts()["num_deleting_users"] == 1
+    assert b.on_user_delete(rid, urec.fork_id) == [Release(orec)]
+    a.on_user_delete_ack(urec.fork_id)
+    _validate(a, b)
+    assert a.counts() == ZERO_COUNTS and b.counts() == ZERO_COUNTS
+
+
+def test_g1_remote_ret_with_error_then_drop() -> None:
+    a, b = new_ctx(0), new_ctx(1)
+    urec = a.new_remote_user(1)
+    orec = b.on_remote_request(urec.rref_id, urec.fork_id, 0, "object")
+    err = ValueError("boom")
+    assert b.set_value(orec, error=err) == []
+    assert a.on_remote_ret(urec.fork_id, err) == []
+    assert urec.error is err and urec.confirmed
+    assert a.user_dropped(urec.fork_id) == [UserDelete(1, urec.rref_id, urec.fork_id)]
+    assert b.on_user_delete(urec.rref_id, urec.fork_id) == [Release(orec)]
+
+
+def test_peer_dead_owner_side_drops_forks_and_releases() -> None:
+    """B owns an RRef; C (a user) dies: B drops C's forks and releases the value; A's fork
+    (alive) keeps another RRef alive untouched."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    c_rec, orec_c = _make_confirmed_user(c, b, "held by C")
+    a_rec, orec_a = _make_confirmed_user(a, b, "held by A")
+    # C also holds a fork of A's RRef sent by the owner (early registration)
+    data = b.fork_owned(orec_a, 2)
+    c.on_fork_received(data, 1)
+    assert set(b.forks[orec_a.rref_id].values()) == {0, 2}
+
+    actions = b.on_peer_dead(2)
+    assert actions == [Release(orec_c)]
+    assert orec_c.rref_id not in b.owners and orec_c.rref_id not in b.forks
+    assert b.forks[orec_a.rref_id] == {a_rec.fork_id: 0}
+    assert b.owners[orec_a.rref_id] is orec_a
+    assert b.leaks() == [f"RRef {orec_a.rref_id} fork {a_rec.fork_id} held by worker 0"]
+    _validate(a, b)
+
+
+def test_peer_dead_pending_child_counts_as_accepted() -> None:
+    """A forked its RRef to C and dropped its object; C dies before accepting: A's pending
+    child counts as accepted and A deletes its fork."""
+    a, b = new_ctx(0), new_ctx(1)
+    urec, orec = _make_confirmed_user(a, b)
+    data = a.fork_user(urec, 2)
+    assert a.user_dropped(urec.fork_id) == []
+    assert a.on_peer_dead(2) == [UserDelete(1, urec.rref_id, urec.fork_id)]
+    assert a.counts()["num_pending_children"] == 0
+    assert b.on_user_delete(urec.rref_id, urec.fork_id) == [Release(orec)]
+    a.on_user_delete_ack(urec.fork_id)
+    # a late CHILD_ACCEPT from the dead child is ignored
+    assert a.on_child_accept(data.fork_id) == []
+    _validate(a, b)
+    assert a.counts() == ZERO_COUNTS and b.counts() == ZERO_COUNTS
+
+
+def test_peer_dead_users_of_dead_owner_get_owner_died_error() -> None:
+    """B (owner) dies: every user record of B's RRefs on A gets OwnerDiedError and leaves
+    the maps (pending, confirmed, deleting); pending children of them are settled without
+    any message to the dead owner; later RRefs from B fail at once."""
+    a, b = new_ctx(0), new_ctx(1)
+    confirmed, _ = _make_confirmed_user(a, b)
+    pending = a.new_remote_user(1)
+    deleting, _ = _make_confirmed_user(a, b)
+    assert a.user_dropped(deleting.fork_id) == [UserDelete(1, deleting.rref_id, deleting.fork_id)]
+    parent, _ = _make_confirmed_user(a, b)
+    child = a.fork_user(parent, 2)
+    assert a.user_dropped(parent.fork_id) == []
+    other_owner = new_ctx(2)
+    survivor, _ = _make_confirmed_user(a, other_owner)
+
+    actions = a.on_peer_dead(1)
+    assert actions == []  # nothing is sent to a dead owner
+    for rec in (confirmed, pending, deleting):
+        assert isinstance(rec.error, OwnerDiedError), rec
+    assert survivor.error is None and survivor.fork_id in a.confirmed_users
+    assert a.counts() == {**ZERO_COUNTS, "num_confirmed_users": 1}
+    a.validate()
+    # messages still arriving for them are ignored
+    assert a.on_remote_ret(pending.fork_id, None) == []
+    assert a.on_child_accept(child.fork_id) == []
+    a.on_user_delete_ack(deleting.fork_id)
+    assert a.user_dropped(confirmed.fork_id) == []
+    # new RRefs of the dead owner fail at once
+    late = a.new_remote_user(1)
+    assert isinstance(late.error, OwnerDiedError) and late.fork_id not in a.pending_users
+    rec, acts = a.on_fork_received(ForkData(confirmed.rref_id, ForkId(2, 77), 1, 2, "object"), 2)
+    assert isinstance(rec, UserRecord) and isinstance(rec.error, OwnerDiedError)
+    assert acts == [ChildAccept(2, ForkId(2, 77))]  # the parent may let go
+    a.validate()
+
+
+def test_owner_sends_its_rref_to_itself() -> None:
+    """An OwnerRRef passed in a call to its own worker (rpc/remote to self): the received
+    RRef must refer to the same record (the value), and nothing may leak."""
+    b = new_ctx(1)
+    rec = b.new_local_owner("value", "str")
+    data = b.fork_owned(rec, 1)
+    assert data.fork_id != rec.rref_id and b.forks[rec.rref_id] == {data.fork_id: 1}
+    got, actions = b.on_fork_received(data, 1)
+    assert got is rec and got.value == "value"
+    assert actions == [Release(rec)]  # it leaves ``owners``; the new RRef object holds it
+    b.validate()
+    assert b.counts() == ZERO_COUNTS
+
+    # the same while another fork exists, and that fork is deleted while the message is in
+    # flight: the record must still be found on arrival
+    a = new_ctx(0)
+    to_a = b.fork_owned(rec, 0)
+    arec, _ = a.on_fork_received(to_a, 1)
+    to_self = b.fork_owned(rec, 1)
+    assert a.user_dropped(arec.fork_id) == [UserDelete(1, rec.rref_id, to_a.fork_id)]
+    assert b.on_user_delete(rec.rref_id, to_a.fork_id) == []  # the self-fork is in flight
+    got, actions = b.on_fork_received(to_self, 1)
+    assert got is rec
+    assert actions == [Release(rec)]
+    b.validate()
+    assert b.counts() == ZERO_COUNTS
+
+    # a send to self that fails is undone
+    data = b.fork_owned(rec, 1)
+    assert b.abort_fork(data) == [Release(rec)]
+    assert b.counts() == ZERO_COUNTS
+
+
+def test_owner_self_send_survives_dropping_the_sender_object() -> None:
+    """``rpc_async(self, f, args=(RRef(x),))``: the caller's RRef object may be collected
+    before the I/O thread delivers the call to itself. The call must still see the value
+    (not an empty placeholder that never gets one and stays in ``owners`` forever)."""
+    b = new_ctx(1)
+    rec = b.new_local_owner(["value"], "list")
+    rid = rec.rref_id
+    data = b.fork_owned(rec, 1)
+    alive = weakref.ref(rec)
+    del rec  # the caller's RRef object goes away; only the context can keep the record
+    gc.collect()
+    got, actions = b.on_fork_received(data, 1)
+    assert alive() is got, "the call to self got a different record than the one sent"
+    assert got.state == READY and got.value == ["value"]
+    assert actions == [Release(got)]
+    b.validate()
+    assert b.counts() == ZERO_COUNTS
+    assert rid not in b.owners
+
+
+def test_owner_self_send_abort_keeps_creator_fork() -> None:
+    """B owns an RRef created by A's remote() (A's fork id is the RRef id) and holds an
+    OwnerRRef of it (A passed it back to B). B's call to itself with it fails to send:
+    undoing that fork must not drop A's fork (which would release the value under A)."""
+    a, b = new_ctx(0), new_ctx(1)
+    urec, orec = _make_confirmed_user(a, b)
+    rid = urec.rref_id
+    back = a.fork_user(urec, 1)
+    got, actions = b.on_fork_received(back, 0)
+    assert got is orec and actions == [ChildAccept(0, back.fork_id)]
+    assert a.on_child_accept(back.fork_id) == []
+
+    data = b.fork_owned(orec, 1)  # B -> B, then the send fails
+    assert b.abort_fork(data) == []
+    assert b.forks[rid] == {urec.fork_id: 0}, "the creator's fork was dropped"
+    assert b.owners[rid] is orec
+    _validate(a, b)
+    # A's delete still finds its fork; only then the value goes
+    assert a.user_dropped(urec.fork_id) == [UserDelete(1, rid, urec.fork_id)]
+    assert b.on_user_delete(rid, urec.fork_id) == [Release(orec)]
+
+
+def test_abort_fork_of_user_releases_parent() -> None:
+    a, b = new_ctx(0), new_ctx(1)
+    urec, orec = _make_confirmed_user(a, b)
+    data = a.fork_user(urec, 2)
+    assert a.user_dropped(urec.fork_id) == []
+    assert a.abort_fork(data) == [UserDelete(1, urec.rref_id, urec.fork_id)]
+    a.validate()
+
+
+def test_validate_catches_corrupted_state() -> None:
+    a, b = new_ctx(0), new_ctx(1)
+    urec, orec = _make_confirmed_user(a, b)
+    rid = urec.rref_id
+    _validate(a, b)
+
+    # a fork without an owner record
+    del b.owners[rid]
+    with pytest.raises(AssertionError, match="without an owner record"):
+        b.validate()
+    b.owners[rid] = orec
+    b.validate()
+
+    # an empty fork set
+    b.forks[RRefId(1, 999)] = {}
+    with pytest.raises(AssertionError, match="empty fork set"):
+        b.validate()
+    del b.forks[RRefId(1, 999)]
+
+    # an owner record with a value but no fork (should have been released)
+    stray = OwnerRecord(RRefId(1, 998), state=READY, value=1, created=True)
+    b.owners[stray.rref_id] = stray
+    with pytest.raises(AssertionError, match="kept with no fork"):
+        b.validate()
+    del b.owners[stray.rref_id]
+    b.validate()
+
+    # a user fork in two maps
+    a.pending_users[urec.fork_id] = urec
+    with pytest.raises(AssertionError, match="two user maps"):
+        a.validate()
+    del a.pending_users[urec.fork_id]
+
+    # a child count that does not match pending_children
+    urec.children = 1
+    with pytest.raises(AssertionError, match="child count"):
+        a.validate()
+    urec.children = 0
+
+    # a delete sent while a child is pending (G1)
+    a.deleting_users[urec.fork_id] = a.confirmed_users.pop(urec.fork_id)
+    urec.alive = False
+    urec.children = 1
+    with pytest.raises(AssertionError, match="early delete"):
+        a.validate()
+    urec.children = 0
+    a.validate()
+
+    # a pending child whose parent fork is gone (G2)
+    a.pending_children[ForkId(0, 500)] = (urec, 2)
+    with pytest.raises(AssertionError, match="parent fork"):
+        a.validate()
