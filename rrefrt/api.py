@@ -81,6 +81,9 @@ def init_rpc(
             me = Record(name, spec.rank, spec.world_size, incarnation, tcp, ipc, host_id())
             records = rdzv.join(me, deadline)
             rt.set_world([WorkerInfo(r.name, r.rank) for r in records])
+            # current before the mesh is up: a peer that finished joining first may already
+            # call us, and its function may use the API
+            state.set_current(rt)
             peers = [
                 transport.PeerSpec(r.rank, r.name, r.incarnation, r.ipc if (r.ipc and r.host == me.host) else r.tcp)
                 for r in records
@@ -90,6 +93,7 @@ def init_rpc(
             except transport.TransportError as e:
                 raise RendezvousError(str(e)) from None
         except BaseException:
+            state.set_current(None)
             rt.close()
             if rdzv is not None:
                 rdzv.close()

@@ -54,6 +54,8 @@ OnMessage = Callable[[int, int, int, Any, Sequence[Any]], None]
 OnPeerDead = Callable[[int, str], None]
 
 _PROBE_SUSPECT_S = 0.05
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+_ZERO_COPY_MIN = 1 << 16  #: frames this large are sent without a copy (libzmq keeps a reference)
 
 
 @dataclass(frozen=True)
@@ -350,8 +352,9 @@ class Agent:
             peer.backlog.append(frames)
 
     def _try_send(self, peer: _Peer, frames: list) -> bool:
+        small = all((f.nbytes if isinstance(f, memoryview) else len(f)) < _ZERO_COPY_MIN for f in frames)
         try:
-            self._sock.send_multipart([peer.rid, *frames], flags=zmq.NOBLOCK, copy=False)
+            self._sock.send_multipart([peer.rid, *frames], flags=_NOBLOCK, copy=small)
         except zmq.ZMQError as e:
             if e.errno == errno.EHOSTUNREACH:
                 if peer.state == "up":
@@ -375,10 +378,9 @@ class Agent:
     def _recv_all(self) -> None:
         sock = self._sock
         for _ in range(1000):
-            try:
-                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not sock.getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
                 return
+            msg = sock.recv_multipart(_NOBLOCK, copy=False)
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += sum(len(f) for f in msg)
             wid = wire.worker_id_of(msg[0].bytes)
