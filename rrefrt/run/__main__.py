@@ -1,0 +1,8 @@
+"""``python -m rrefrt.run ...``: the same as the ``rrefrt-run`` console script."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
