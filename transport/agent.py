@@ -54,8 +54,14 @@ OnMessage = Callable[[int, int, int, Any, Sequence[Any]], None]
 OnPeerDead = Callable[[int, str], None]
 
 _PROBE_SUSPECT_S = 0.05
+
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _ZERO_COPY_MIN = 1 << 16  #: frames this large are sent without a copy (libzmq keeps a reference)
+
+
+def _nbytes(f: Any) -> int:
+    """Size in bytes of a frame: len() of an array.array or a numpy array counts items."""
+    return len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,8 @@ class Agent:
         self._pid = os.getpid()
         self._ids = itertools.count(1)
         self._outbox: collections.deque = collections.deque()
+        self._outbox_lock = threading.Lock()
+        self._outbox_closed = False  #: set, under the lock, by the final drain of the outbox
         self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._bell_rung = False
         self._peers: dict[int, _Peer] = {}  #: worker id -> peer (I/O thread only after start)
@@ -191,9 +199,9 @@ class Agent:
         self._check_usable()
         self._check_size(frames)
         msg_id = next(self._ids)
+        out = [self._header(kind, msg_id, meta), *frames]
         deadline = time.monotonic() + timeout if timeout > 0 else None
         pending = _Pending(dest, msg_id, deadline, timeout, on_done)
-        out = [wire.encode_header(kind, msg_id, meta), *frames]
         self._enqueue(("req", pending, out))
         return msg_id
 
@@ -201,7 +209,7 @@ class Agent:
         """Send a one-way message (or a RESPONSE when kind is wire.RESPONSE)."""
         self._check_usable()
         self._check_size(frames)
-        self._enqueue(("send", dest, [wire.encode_header(kind, msg_id, meta), *frames]))
+        self._enqueue(("send", dest, [self._header(kind, msg_id, meta), *frames]))
 
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = ()) -> None:
         self.send(dest, wire.RESPONSE, meta, frames, msg_id)
@@ -229,8 +237,14 @@ class Agent:
             return
         if self._closed.is_set():
             return
+        if self._thread.ident is None:  # never started: no I/O thread owns the socket
+            self._shutdown()
+            return
         if self._thread.is_alive():
-            self._enqueue(("stop",))
+            try:
+                self._enqueue(("stop",))
+            except AgentClosed:  # the I/O thread is already shutting down
+                pass
             self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("I/O thread of %r did not stop within %.1fs; abandoning it", self.name, timeout)
@@ -245,22 +259,33 @@ class Agent:
             raise AgentClosed(f"the transport of worker {self.name!r} is closed")
 
     def _check_size(self, frames: Sequence[Any]) -> None:
-        size = 0
-        for f in frames:
-            size += f.nbytes if isinstance(f, memoryview) else len(f)
+        size = sum(_nbytes(f) for f in frames)
         if size > self.options.max_message_size:
             raise MessageTooLarge(
                 f"message of {size} bytes exceeds the limit of {self.options.max_message_size} bytes"
             )
 
+    @staticmethod
+    def _header(kind: int, msg_id: int, meta: Any) -> bytes:
+        head = wire.encode_header(kind, msg_id, meta)
+        if len(head) > wire.MAX_HEADER_BYTES:  # the receiver would drop it without a word
+            raise MessageTooLarge(f"message header of {len(head)} bytes exceeds the limit of {wire.MAX_HEADER_BYTES} bytes")
+        return head
+
     def _enqueue(self, item: tuple) -> None:
-        self._outbox.append(item)
-        if not self._bell_rung:
-            self._bell_rung = True
-            try:
-                os.eventfd_write(self._bell, 1)
-            except OSError:
-                pass
+        # Under the lock, so that an item is either taken by the final drain of the outbox
+        # (and its request failed) or refused here: never left behind after shutdown, and
+        # the bell is never rung after it was closed.
+        with self._outbox_lock:
+            if self._outbox_closed:
+                raise AgentClosed(f"the transport of worker {self.name!r} is closed")
+            self._outbox.append(item)
+            if not self._bell_rung:
+                self._bell_rung = True
+                try:
+                    os.eventfd_write(self._bell, 1)
+                except OSError:
+                    pass
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         self._enqueue(("call", fn))
@@ -290,13 +315,16 @@ class Agent:
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("I/O thread of %r crashed", self.name)
         finally:
-            self._stopping = True
-            self._fail_everything("the transport was shut down")
-            self._monitor.close(0)
-            self._sock.close(int(self.options.linger * 1000))
-            self._ctx.term()
-            os.close(self._bell)
-            self._closed.set()
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._stopping = True
+        self._fail_everything("the transport was shut down")
+        self._monitor.close(0)
+        self._sock.close(int(self.options.linger * 1000))
+        self._ctx.term()
+        os.close(self._bell)
+        self._closed.set()
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
@@ -364,7 +392,7 @@ class Agent:
                 return False
             raise
         self.stats["messages_sent"] += 1
-        self.stats["bytes_sent"] += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        self.stats["bytes_sent"] += sum(_nbytes(f) for f in frames)
         if peer.state == "suspect":
             peer.state = "up"
         return True
@@ -499,7 +527,13 @@ class Agent:
                     p.on_done(None, (), err)
                 except Exception:
                     log.exception("on_done failed during close")
-        for item in list(self._outbox):
+        with self._outbox_lock:
+            self._outbox_closed = True
+            items = list(self._outbox)
+            self._outbox.clear()
+        for item in items:
             if item[0] == "req":
-                item[1].on_done(None, (), err)
-        self._outbox.clear()
+                try:
+                    item[1].on_done(None, (), err)
+                except Exception:
+                    log.exception("on_done failed during close")

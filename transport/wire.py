@@ -54,9 +54,12 @@ def routing_id(worker_id: int) -> bytes:
 
 
 def worker_id_of(rid: bytes) -> int | None:
+    """The worker id whose routing id is exactly ``rid``; None for anything else (so b"w03"
+    is not an alias of worker 3, whose routing id is b"w3")."""
     if len(rid) < 2 or rid[:1] != b"w" or not rid[1:].isdigit():
         return None
-    return int(rid[1:])
+    wid = int(rid[1:])
+    return wid if routing_id(wid) == rid else None
 
 
 def encode_header(kind: int, msg_id: int, meta: Any) -> bytes:

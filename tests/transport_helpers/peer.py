@@ -1,0 +1,106 @@
+"""A transport peer for tests/test_transport.py, run as its own process.
+
+    python peer.py '{"id": 1, "name": "B", "options": {...}}'      (PYTHONPATH=<repo root>)
+
+Protocol with the test process, one JSON object per line:
+
+- stdout: {"event": "hello", "id", "name", "endpoint", "incarnation", "pid"} once bound;
+  {"event": "ready"} once ``connect_peers`` returned; {"event": "peer_dead", "peer", "cause"}
+  whenever the agent declares a peer dead; {"event": "stats", ...} in answer to a command;
+  {"event": "error", "error"} if joining the mesh failed.
+- stdin: first line is the peer table (a list of PeerSpec fields), later lines are commands
+  ({"cmd": "stats"}). End of stdin (the test process went away) closes the agent and exits.
+
+Only ``transport`` is imported: the transport is tested on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+from transport import Agent, AgentOptions, PeerSpec
+
+ECHO = 16  #: respond with the request's meta and frames
+IGNORE = 17  #: never respond (a peer that does not answer)
+SHUFFLE = 18  #: hold requests until meta["batch"] are held, then answer all in random order
+COUNT = 19  #: respond with the number of application messages received before this one
+STALL = 20  #: block the I/O thread for meta["stall"] seconds (a stuck handler), never respond
+
+
+class EchoBehaviour:
+    """on_message for an agent: the kinds above. Runs on the agent's I/O thread."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.agent: Agent | None = None
+        self.received = 0
+        self.sources: list[int] = []
+        self._held: list[tuple[int, int, Any, Sequence[Any]]] = []
+        self._rng = random.Random(seed)
+
+    def __call__(self, src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
+        agent = self.agent
+        assert agent is not None
+        self.received += 1
+        self.sources.append(src)
+        if kind == ECHO:
+            agent.respond(src, msg_id, meta, list(frames))
+        elif kind == SHUFFLE:
+            self._held.append((src, msg_id, meta, frames))
+            if len(self._held) >= meta["batch"]:
+                held, self._held = self._held, []
+                self._rng.shuffle(held)
+                for s, m, mt, fr in held:
+                    agent.respond(s, m, mt, list(fr))
+        elif kind == COUNT:
+            agent.respond(src, msg_id, [self.received - 1])
+        elif kind == STALL:
+            time.sleep(meta["stall"])  # simulates a stuck handler on the I/O thread
+        # IGNORE and anything else: no answer
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    lock = threading.Lock()
+
+    def emit(obj: dict) -> None:
+        with lock:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    def on_peer_dead(peer: int, cause: str) -> None:
+        emit({"event": "peer_dead", "peer": peer, "cause": cause})
+
+    behaviour = EchoBehaviour(seed=cfg["id"])
+    incarnation = random.SystemRandom().getrandbits(62)
+    agent = Agent(cfg["id"], cfg["name"], incarnation, behaviour, on_peer_dead, AgentOptions(**cfg.get("options", {})))
+    behaviour.agent = agent
+    endpoint = agent.bind(cfg.get("bind", "tcp://127.0.0.1:0"))
+    agent.start()
+    emit({"event": "hello", "id": cfg["id"], "name": cfg["name"], "endpoint": endpoint,
+          "incarnation": incarnation, "pid": __import__("os").getpid()})
+    try:
+        line = sys.stdin.readline()
+        if not line:
+            return
+        peers = [PeerSpec(**p) for p in json.loads(line)]
+        try:
+            agent.connect_peers(peers, timeout=cfg.get("connect_timeout", 10.0))
+        except Exception as e:  # reported, then wait for the test to end us
+            emit({"event": "error", "error": repr(e)})
+        else:
+            emit({"event": "ready"})
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd.get("cmd") == "stats":
+                emit({"event": "stats", "received": behaviour.received, "stats": dict(agent.stats)})
+    finally:
+        agent.close()
+
+
+if __name__ == "__main__":
+    main()
