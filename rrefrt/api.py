@@ -96,7 +96,7 @@ def init_rpc(
             state.set_current(None)
             rt.close()
             if rdzv is not None:
-                rdzv.close()
+                rdzv.close(failed=True)
             raise
         _group.clear()
         _group.update(rdzv=rdzv, world_size=spec.world_size)

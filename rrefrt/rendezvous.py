@@ -227,8 +227,24 @@ class Rendezvous:
         except Exception:
             return None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the client (and the server, if hosted here). After a failed join the
+        host keeps the store up (at most 3 s) until every worker that joined has left,
+        so each of them reads the real error rather than a closed connection."""
         store = getattr(self, "store", None)
+        if store is not None and failed and hasattr(self, "prefix"):
+            try:
+                gone = self.store.add(self.key("gone"), 1)
+                if self.server is not None:
+                    deadline = time.monotonic() + 3.0
+                    while time.monotonic() < deadline:
+                        claims = sum(self.store.add(self.key(f"rank/{r}"), 0) for r in range(self.spec.world_size))
+                        if gone >= claims:
+                            break
+                        self.store.wait([self.key("never")], 0.05)  # paces the re-check
+                        gone = self.store.add(self.key("gone"), 0)
+            except Exception:
+                pass
         if store is not None:
             store.close()
         if self.server is not None:
