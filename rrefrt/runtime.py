@@ -35,6 +35,7 @@ from transport import Agent
 
 from . import serialization as ser
 from .errors import (
+    OwnerDiedError,
     RpcError,
     RpcTimeoutError,
     SerializationError,
@@ -62,16 +63,19 @@ from .messages import (
 )
 from .options import RpcBackendOptions, WorkerInfo
 from .pool import WorkerPool
-from .rref import RRef
+from .rref import RRef, _invoke_on_owner
 from .rref_context import _NO_VALUE, FAILED, OwnerRecord, RRefContext, creation_site
 
 log = logging.getLogger("rrefrt")
 
 
-def translate(err: BaseException, what: str) -> BaseException:
-    """Transport errors -> rrefrt's error tree (the one place this happens)."""
+def translate(err: BaseException, what: str, owner_of: str | None = None) -> BaseException:
+    """Transport errors -> rrefrt's error tree (the one place this happens). ``owner_of``
+    names the RRef when the destination is its owner (death -> OwnerDiedError)."""
     if isinstance(err, transport.RequestTimeout):
         return RpcTimeoutError(f"{what} timed out after {err.timeout:.3f}s (worker {err.peer!r} did not answer)")
+    if isinstance(err, transport.PeerUnavailable) and owner_of is not None:
+        return OwnerDiedError(f"{what} failed: the owner of {owner_of} is gone: {err}")
     if isinstance(err, transport.PeerUnavailable):
         return WorkerUnavailableError(f"{what} failed: {err}")
     if isinstance(err, transport.MessageTooLarge):
@@ -151,7 +155,8 @@ class Runtime:
         fut: Future[Any] = Future()
         fut._callback_pool = self.callbacks
         what = f"rpc to {self.workers_by_id[dest].name!r} of {getattr(func, '__qualname__', func)!r}"
-        self._send_request(dest, PYTHON_CALL, [forks], frames, self._timeout(timeout), fut, what, forks)
+        owner_of = repr(args[0]) if func is _invoke_on_owner and args else None  # a proxy call
+        self._send_request(dest, PYTHON_CALL, [forks], frames, self._timeout(timeout), fut, what, forks, owner_of)
         return fut
 
     def rpc_sync(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
@@ -195,7 +200,7 @@ class Runtime:
             t = max(0.001, min(t, rec.creation_deadline - time.monotonic())) if t > 0 else max(0.001, rec.creation_deadline - time.monotonic())
         fut: Future[Any] = Future()
         fut._callback_pool = self.callbacks
-        self._send_request(rec.owner, RREF_FETCH, [rec.rref_id.to_wire(), rec.fork_id.to_wire()], [], t, fut, f"to_here() of {rref!r}", [])
+        self._send_request(rec.owner, RREF_FETCH, [rec.rref_id.to_wire(), rec.fork_id.to_wire()], [], t, fut, f"to_here() of {rref!r}", [], repr(rref))
         return fut
 
     def owner_value(self, rec: OwnerRecord, timeout: float) -> Any:
@@ -220,10 +225,13 @@ class Runtime:
             self._abort_forks(getattr(e, "forks", []))
             raise
 
-    def _send_request(self, dest: int, kind: int, meta: Any, frames: Any, timeout: float, fut: Future[Any], what: str, forks: list[Any]) -> None:
+    def _send_request(
+        self, dest: int, kind: int, meta: Any, frames: Any, timeout: float, fut: Future[Any], what: str,
+        forks: list[Any], owner_of: str | None = None,
+    ) -> None:
         def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:
             if err is not None:
-                fut._fail(translate(err, what))
+                fut._fail(translate(err, what, owner_of))
                 return
             self._complete(fut, dest, m, fr)
 
@@ -231,7 +239,7 @@ class Runtime:
             self.agent.request(dest, kind, meta, frames, timeout, on_done)
         except transport.TransportError as e:
             self._abort_forks(forks)
-            raise translate(e, what) from None
+            raise translate(e, what, owner_of) from None
 
     def _complete(self, fut: Future[Any], src: int, meta: Any, frames: Sequence[Any]) -> None:
         """On the I/O thread: account for the forks now, decode the payload lazily."""
