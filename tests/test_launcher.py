@@ -17,8 +17,8 @@ import time
 import pytest
 
 from tests.launcher_scripts.harness import (REPO, SCRIPTS, WORKER, Procs, alive, finish,
-                                            free_port, group_alive, launcher_env, poll_for,
-                                            read_json, wait_ranks)
+                                            finish_all, free_port, group_alive, launcher_env,
+                                            poll_for, read_json, wait_ranks)
 
 
 @pytest.fixture
@@ -281,8 +281,8 @@ def _two_nodes(procs, tmp_path, worker_args, env=None, extra=()):
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
               "--master-port", str(port), "--rdzv-timeout", "20", *extra]
     nodes = [procs.launch([*common, "--node-rank", str(n), WORKER, str(tmp_path), *worker_args],
-                          env=env) for n in (1, 0)]
-    return [finish(p, 25) for p in reversed(nodes)]
+                          env=env) for n in (0, 1)]
+    return finish_all(nodes, 25)
 
 
 @pytest.mark.timeout(40)

@@ -8,6 +8,7 @@ processes that carry only SLURM or only Open MPI variables.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -159,7 +160,8 @@ def _run_ranks(envs: list[dict[str, str]], timeout: float) -> list[tuple[int, st
 
 
 def _free_port_in(low: int, high: int) -> int:
-    for port in range(low, high):
+    start = random.randrange(low, high)  # concurrent runs rarely try the same port first
+    for port in [*range(start, high), *range(low, start)]:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -176,7 +178,7 @@ def _base_env() -> dict[str, str]:
 
 @pytest.mark.timeout(40)
 def test_same_program_under_slurm_variables():
-    port = _free_port_in(20000 + 4242, 20000 + 4300)
+    port = _free_port_in(24000, 26000)
     job_id = str(port - 20000)
     envs = [{**_base_env(), "SLURM_PROCID": str(r), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(r),
              "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": job_id}

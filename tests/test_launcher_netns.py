@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.launcher_scripts.harness import (SCRIPTS, WORKER, Procs, finish, launcher_env,
+from tests.launcher_scripts.harness import (SCRIPTS, WORKER, Procs, finish_all, launcher_env,
                                             read_json)
 
 ADDR = ("10.213.0.1", "10.213.0.2")
@@ -76,9 +76,9 @@ def _launch_both(procs, names, script_args, env=None):
               "--master-port", str(PORT), "--rdzv-timeout", "20"]
     env = env or launcher_env(RREFRT_SECRET="netns-test-secret")
     started = [procs.launch([*common, "--node-rank", str(n), *script_args], env=env,
-                            prefix=["ip", "netns", "exec", names[n]]) for n in (1, 0)]
+                            prefix=["ip", "netns", "exec", names[n]]) for n in (0, 1)]
     t0 = time.monotonic()
-    results = [finish(p, 40) for p in reversed(started)]
+    results = finish_all(started, 45)
     return results, time.monotonic() - t0
 
 

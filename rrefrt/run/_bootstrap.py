@@ -105,7 +105,8 @@ def run_target(argv: list[str]) -> None:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
         script, args = argv[0], argv[1:]
-        sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+        if not os.path.isdir(script):  # run_path puts a directory or zip on sys.path itself
+            sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
         sys.argv = [script, *args]
         runpy.run_path(script, run_name="__main__")
 

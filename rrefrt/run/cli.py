@@ -36,20 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
                     "on this node. See docs/launcher.md.",
         usage="%(prog)s [options] (script.py | -m module) [script args...]")
     job = p.add_argument_group("job layout")
-    job.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    job.add_argument("--node-rank", "--node_rank", type=int, default=0,
+    job.add_argument("--nnodes", type=int, default=1, metavar="N",
+                     help="number of nodes (default 1)")
+    job.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
                      help="this node's rank, 0 .. nnodes-1 (default 0); node 0 hosts the store")
     job.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
+                     metavar="P",
                      help="worker processes on this node (default 1)")
-    job.add_argument("--master-addr", "--master_addr", default=None,
+    job.add_argument("--master-addr", "--master_addr", default=None, metavar="A",
                      help="address of node 0, where the rendezvous store listens (default "
                           "127.0.0.1 on one node; required with --nnodes > 1)")
-    job.add_argument("--master-port", "--master_port", type=int, default=None,
+    job.add_argument("--master-port", "--master_port", type=int, default=None, metavar="Q",
                      help="port of the store (default: a free port on one node, 29500 on "
                           "several)")
     job.add_argument("--rdzv-timeout", "--rdzv_timeout", type=float, default=300.0,
+                     metavar="S",
                      help="seconds for every node to arrive (default 300)")
     job.add_argument("--node-timeout", "--node_timeout", type=float, default=30.0,
+                     metavar="S",
                      help="seconds of silence after which a node is declared lost (default 30)")
     dev = p.add_argument_group("devices")
     dev.add_argument("--gpus", type=_gpus, default=None, metavar="G",
@@ -62,13 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch/OpenMP/MKL threads per worker (default: OMP_NUM_THREADS if "
                           "set, else usable cores // nproc-per-node)")
     sup = p.add_argument_group("supervision and output")
-    sup.add_argument("--grace-period", "--grace_period", type=float, default=5.0,
+    sup.add_argument("--grace-period", "--grace_period", type=float, default=5.0, metavar="S",
                      help="seconds between SIGTERM and SIGKILL when stopping workers "
                           "(default 5)")
-    sup.add_argument("--log-dir", "--log_dir", default=None,
-                     help="write each rank's output to LOG_DIR/rank<N>.log instead of "
+    sup.add_argument("--log-dir", "--log_dir", default=None, metavar="D",
+                     help="write each rank's output to D/rank<N>.log instead of "
                           "prefixing it with [rank N] on this terminal")
-    sup.add_argument("--tail-lines", "--tail_lines", type=int, default=20,
+    sup.add_argument("--tail-lines", "--tail_lines", type=int, default=20, metavar="L",
                      help="lines of a failed worker's output in the report (default 20)")
     sup.add_argument("--start-method", "--start_method", choices=("spawn", "forkserver"),
                      default="spawn", help="accepted for compatibility: workers are always "

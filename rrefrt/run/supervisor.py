@@ -311,13 +311,15 @@ class Supervisor:
                     continue  # our own
                 self.remote_abort = detail
                 self._stop_for_job(f"node {detail.get('node')} failed")
-            elif kind == "store_lost":
+            elif kind == "store_lost" and self.phase in ("running", "waiting_nodes"):
                 self.extra_report.append(f"rrefrt-run: lost contact with node 0's store "
                                          f"({detail}); node 0's launcher is gone")
                 self._stop_for_job("node 0 was lost")
             elif kind == "node_lost":
                 assert isinstance(detail, int)
                 self._lost_nodes.add(detail)
+                if self.phase not in ("running", "waiting_nodes"):
+                    continue  # already stopping for another reason
                 self.extra_report.append(
                     f"rrefrt-run: node {detail} was lost: its launcher sent no heartbeat for "
                     f"{self.cfg.node_timeout:g}s (--node-timeout)")

@@ -125,3 +125,31 @@ def wait_ranks(outdir: str, ranks: Sequence[int], deadline: float) -> dict[int, 
 def finish(p: subprocess.Popen[bytes], timeout: float) -> tuple[int, str, str]:
     out, err = p.communicate(timeout=timeout)
     return p.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def finish_all(popens: Sequence[subprocess.Popen[bytes]],
+               timeout: float) -> list[tuple[int, str, str]]:
+    """``finish`` for several launchers at once; on timeout, kill them all and fail with
+    everything each one printed (so a hang on one node shows what the others said)."""
+    results: dict[int, tuple[int, str, str]] = {}
+
+    def wait(i: int, p: subprocess.Popen[bytes]) -> None:
+        out, err = p.communicate()
+        results[i] = (p.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
+    threads = [threading.Thread(target=wait, args=(i, p), daemon=True)
+               for i, p in enumerate(popens)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if len(results) < len(popens):
+        for p in popens:
+            if p.poll() is None:
+                p.kill()
+        for t in threads:
+            t.join(5)
+        dump = "\n".join(f"--- launcher {i}: rc {rc}\n{out}{err}"
+                          for i, (rc, out, err) in sorted(results.items()))
+        raise AssertionError(f"launchers still running after {timeout}s:\n{dump}")
+    return [results[i] for i in range(len(popens))]
