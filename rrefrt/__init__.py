@@ -21,8 +21,10 @@ from .api import (
     shutdown,
 )
 from .errors import (
+    AuthenticationError,
     OwnerDiedError,
     RemoteError,
+    RemoteSerializationError,
     RpcError,
     RpcTimeoutError,
     RRefCreationError,
@@ -63,6 +65,8 @@ __all__ = [
     "SerializationError",
     "ShutdownError",
     "RemoteError",
+    "RemoteSerializationError",
+    "AuthenticationError",
     "functions",
     "futures",
 ]

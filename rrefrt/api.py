@@ -6,6 +6,7 @@ Imports from rrefrt: everything. Nothing imports it but ``rrefrt/__init__``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import random
@@ -16,8 +17,8 @@ from typing import Any, Callable
 
 import transport
 
-from . import state
-from .errors import RpcError, RRefLeakError, ShutdownError
+from . import serialization, state
+from .errors import AuthenticationError, RpcError, RRefLeakError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
 from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, host_id, resolve
@@ -41,6 +42,18 @@ _init_lock = threading.Lock()
 _group: dict[str, Any] = {}  # rendezvous of the current runtime (lives with it)
 
 
+def _after_fork_in_child() -> None:
+    """NOTE [Fork safety]: a thread of the parent may have held ``_init_lock`` (inside
+    init_rpc or shutdown) at the fork; it does not exist in the child, so the child gets a
+    fresh lock and may call init_rpc afresh. The inherited runtime is left alone (unusable:
+    ``state.current`` checks the pid), nothing is closed or sent."""
+    global _init_lock
+    _init_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def init_rpc(
     name: str,
     backend: Any = None,
@@ -60,11 +73,13 @@ def init_rpc(
         spec = resolve(options.init_method, rank, world_size)
         deadline = time.monotonic() + options.init_timeout
         incarnation = random.SystemRandom().getrandbits(63)
+        secret = job_secret(options)
         agent_options = transport.AgentOptions(
             heartbeat_interval=options.heartbeat_interval,
             heartbeat_timeout=options.heartbeat_timeout,
             route_grace=min(0.5, options.heartbeat_timeout),
             max_message_size=options.max_message_size,
+            auth=transport.CurveAuth.for_job(secret, spec.rank, spec.world_size) if secret is not None else None,
         )
         info = WorkerInfo(name, spec.rank)
         _check_devices(options)
@@ -72,6 +87,10 @@ def init_rpc(
         rdzv: Rendezvous | None = None
         try:
             host = bind_host(spec.master_addr)
+            if secret is None:
+                warn_unauthenticated(host)
+            # before the agent starts: a peer may call us as soon as the mesh forms
+            serialization.set_unpickle_allowlist(options.unpickle_allowlist)
             tcp = rt.agent.bind(f"tcp://{host}:0")
             ipc = ""
             if os.environ.get("RREFRT_NO_IPC") != "1":
@@ -90,10 +109,17 @@ def init_rpc(
             ]
             try:
                 rt.agent.connect_peers(peers, max(0.1, deadline - time.monotonic()))
+            except transport.AuthenticationFailed as e:
+                raise AuthenticationError(
+                    f"{e}. Every worker of a job must use the same secret (RREFRT_SECRET or "
+                    "RpcBackendOptions(secret=...)), or none may; see docs/security.md",
+                    e.peers,
+                ) from None
             except transport.TransportError as e:
                 raise RendezvousError(str(e)) from None
         except BaseException:
             state.set_current(None)
+            serialization.set_unpickle_allowlist(None)
             rt.close()
             if rdzv is not None:
                 rdzv.close(failed=True)
@@ -102,6 +128,31 @@ def init_rpc(
         _group.update(rdzv=rdzv, world_size=spec.world_size)
         state.set_current(rt)
         log.info("worker %r (rank %d of %d) joined the group", name, spec.rank, spec.world_size)
+
+
+def job_secret(options: RpcBackendOptions) -> str | bytes | None:
+    """The per-job secret that keys CURVE authentication: the option, else RREFRT_SECRET
+    (which rrefrt-run sets), else None (no authentication)."""
+    if options.secret is not None:
+        return options.secret
+    return os.environ.get("RREFRT_SECRET") or None
+
+
+def warn_unauthenticated(bind_address: str) -> bool:
+    """Log one warning when a worker without a secret listens beyond loopback; return
+    whether it did."""
+    try:
+        if ipaddress.ip_address(bind_address).is_loopback:
+            return False
+    except ValueError:  # a host name: treat it as reachable from elsewhere
+        pass
+    log.warning(
+        "rrefrt is listening on %s without authentication: anyone who can reach this address can "
+        "run arbitrary code in this process (payloads are pickled). Set the same RREFRT_SECRET "
+        "(or RpcBackendOptions(secret=...)) on every worker; see docs/security.md",
+        bind_address,
+    )
+    return True
 
 
 def _check_devices(options: RpcBackendOptions) -> None:
@@ -157,6 +208,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     either way."""
     rt = state.current_or_none()
     if rt is None:
+        if state.inherited():
+            raise ShutdownError(f"shutdown() has nothing to shut down: {state.FORKED}")
         raise ShutdownError("shutdown() called but RPC is not running on this process")
     with _init_lock:
         if state.current_or_none() is not rt:
@@ -167,9 +220,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         try:
             if graceful:
                 limit = timeout if timeout and timeout > 0 else rt.options.shutdown_timeout
-                error = _graceful(rt, rdzv, world_size, time.monotonic() + limit)
+                error = _bounded_graceful(rt, rdzv, world_size, limit)
         finally:
             state.set_current(None)
+            serialization.set_unpickle_allowlist(None)
             rt.close()
             rdzv.close()
             _group.clear()
@@ -177,22 +231,63 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             raise error
 
 
-def _graceful(rt: Runtime, rdzv: Rendezvous, world_size: int, deadline: float) -> BaseException | None:
+#: how long past its deadline a graceful shutdown may run before it is abandoned
+_SHUTDOWN_GRACE = 1.0
+
+
+def _bounded_graceful(rt: Runtime, rdzv: Rendezvous, world_size: int, limit: float) -> BaseException | None:
+    """NOTE [Bounded shutdown]: every step of ``_graceful`` has the deadline, but a store
+    request can still block in its socket beyond it (a stopped or partitioned store host
+    accepts the bytes and never answers; the store client's own I/O timeout is 10 s). So the
+    steps run on a daemon thread and the caller waits for the deadline plus
+    ``_SHUTDOWN_GRACE`` at most; past that it gets a ShutdownError and the runtime is closed
+    anyway (the abandoned thread cannot keep the process alive)."""
+    deadline = time.monotonic() + limit
+    box: list[BaseException | None] = []
+    phase = ["start"]
+    t = threading.Thread(
+        target=lambda: box.append(_graceful(rt, rdzv, world_size, deadline, phase)),
+        name=f"rrefrt-{rt.info.name}-shutdown",
+        daemon=True,
+    )
+    t.start()
+    t.join(max(0.0, deadline - time.monotonic()) + _SHUTDOWN_GRACE)
+    if box:
+        return box[0]
+    rt.accepting = False
+    spec = rdzv.spec
+    host = rt.workers_by_id.get(0)
+    return ShutdownError(
+        f"shutdown of {rt.info.name!r} did not complete within {limit:.1f}s (+{_SHUTDOWN_GRACE:.0f}s): stuck in "
+        f"phase {phase[0]!r}; the rendezvous store at {spec.master_addr}:{spec.master_port} "
+        f"(hosted by {repr(host.name) if host else 'rank 0'} or the launcher) did not answer - its host may be "
+        "stopped or unreachable. The runtime was closed anyway."
+    )
+
+
+def _graceful(
+    rt: Runtime, rdzv: Rendezvous, world_size: int, deadline: float, phase: list[str] | None = None
+) -> BaseException | None:
     me = rt.info.id
+    phase = phase if phase is not None else [""]
 
     def names(ranks: list[int]) -> str:
         return ", ".join(repr(rt.workers_by_id[r].name) if r in rt.workers_by_id else f"rank {r}" for r in ranks)
 
     try:
         error: BaseException | None = None
+        phase[0] = "enter barrier"
         missing = rdzv.barrier("enter", me, world_size, deadline, rt.agent.dead_peers())
         if missing:
             rt.accepting = False
             return ShutdownError(
                 f"shutdown of {rt.info.name!r}: worker(s) {names(missing)} never reached shutdown within the timeout"
             )
-        rt.wait_idle(deadline)
+        phase[0] = "waiting for calls in flight"
+        busy = not rt.wait_idle(deadline)
+        phase[0] = "releasing RRefs"
         sites = rt.release_rrefs(deadline)
+        phase[0] = "drained barrier"
         missing = rdzv.barrier("drained", me, world_size, deadline, rt.agent.dead_peers())
         rt.accepting = False
         leaks = rt.ctx.leaks()
@@ -205,6 +300,12 @@ def _graceful(rt: Runtime, rdzv: Rendezvous, world_size: int, deadline: float) -
         elif rt.options.strict_rref_leaks and (leaks or sites):
             lines = [f"fork still registered: {x}" for x in leaks] + [f"still referenced at shutdown: {s}" for s in sites]
             error = RRefLeakError(f"RRef leaks on worker {rt.info.name!r}:\n  " + "\n  ".join(lines), lines)
+        elif busy:
+            error = ShutdownError(
+                f"shutdown of {rt.info.name!r}: calls in flight (run here for live peers, or sent from here) "
+                "had not finished at the timeout - a handler that never returns? They were abandoned"
+            )
+        phase[0] = "leave barrier"
         if rdzv.server is not None:  # rank 0 hosts the store: it leaves last
             rdzv.barrier("leave", me, world_size, deadline, rt.agent.dead_peers())
         else:

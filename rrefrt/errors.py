@@ -14,7 +14,9 @@ __all__ = [
     "SerializationError",
     "ShutdownError",
     "RemoteError",
+    "RemoteSerializationError",
     "RRefCreationError",
+    "AuthenticationError",
 ]
 
 
@@ -51,12 +53,29 @@ class ShutdownError(RpcError):
 
 
 class RemoteError(RpcError):
-    """A remote exception whose type could not be rebuilt on this worker."""
+    """A remote exception whose type could not be rebuilt on this worker (``remote_type``
+    names it, ``worker`` the worker that raised it)."""
 
     def __init__(self, message: str, remote_type: str = "", worker: str = "") -> None:
         super().__init__(message)
         self.remote_type = remote_type
         self.worker = worker
+
+
+class RemoteSerializationError(RemoteError, SerializationError):
+    """The remote worker could not decode what this worker sent it: a module or class that
+    does not exist there, or one its unpickling allowlist refuses. Comes back in one round
+    trip; ``remote_type`` names the original error (e.g. ``builtins.ModuleNotFoundError``)."""
+
+
+class AuthenticationError(RpcError):
+    """Workers failed to authenticate each other while the group formed: they do not share
+    the same secret (RREFRT_SECRET or ``RpcBackendOptions(secret=...)``), or only some
+    have one. The message names the workers concerned, ``peers`` lists them."""
+
+    def __init__(self, message: str, peers: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.peers = list(peers or [])
 
 
 class RRefCreationError(RpcError):

@@ -65,18 +65,24 @@ class Future(concurrent.futures.Future, Generic[T]):
 
     # -- stdlib contract, with lazy decoding and compensation of blocked pool threads
     def result(self, timeout: float | None = None) -> T:
-        if not self.done():
-            pool = current_pool()
-            if pool is not None:
-                with pool.blocking():
+        try:
+            if not self.done():
+                pool = current_pool()
+                if pool is not None:
+                    with pool.blocking():
+                        r = super().result(timeout)
+                else:
                     r = super().result(timeout)
             else:
                 r = super().result(timeout)
-        else:
-            r = super().result(timeout)
-        if type(r) is _Lazy:
-            return self._materialize(r)
-        return r
+            if type(r) is _Lazy:
+                return self._materialize(r)
+            return r
+        except BaseException:
+            # the error is stored on this future: a traceback that kept this frame (and so
+            # the future) would be a cycle holding every object in it, RRefs included
+            self = None  # type: ignore[assignment]  # noqa: F841
+            raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self.done():
@@ -101,9 +107,14 @@ class Future(concurrent.futures.Future, Generic[T]):
                 try:
                     self._result = lazy.decode()
                 except BaseException as e:
-                    self._result, self._exception = None, e
-            if self._exception is not None:
-                raise self._exception
+                    self._result, self._exception = None, e.with_traceback(None)  # no cycle via this frame
+            exc = self._exception
+            if exc is not None:
+                try:
+                    raise exc
+                finally:  # no cycle future -> error -> traceback -> this frame -> future
+                    self = None  # type: ignore[assignment]  # noqa: F841
+                    exc = None
             return self._result
 
     def __await__(self):  # type: ignore[override]

@@ -10,12 +10,14 @@ header passed validation.
 
     kind              sender -> receiver     meta (request)                      payload
     PYTHON_CALL       caller -> callee       [forks]                             (func, args, kwargs)
-    PYTHON_REMOTE     caller -> owner        [rref_id, fork_id, forks]           (func, args, kwargs)
+    PYTHON_REMOTE     caller -> owner        [rref_id, fork_id, type, forks]     (func, args, kwargs)
+                      answered at once (accepted); retried until accepted, deduplicated by
+                      fork id on the owner, so the function runs once
+    REMOTE_RET        owner  -> caller       [rref_id, status]                   error if status ERROR
     RREF_FETCH        user   -> owner        [rref_id, fork_id]                  -
     RREF_FORK_REQUEST child  -> owner        [rref_id, fork_id, parent]          -
     RREF_CHILD_ACCEPT child/owner -> parent  [fork_id]                           -
     RREF_USER_DELETE  user   -> owner        [rref_id, fork_id]                  -
-    SHUTDOWN_DRAIN    any    -> any          []  (are you still busy? answered when idle)
 
     response meta: [status, forks, error_kind]   status OK=0 / ERROR=1; payload = value or
     the pickled error; forks = fork data of RRefs inside the payload.
@@ -34,8 +36,9 @@ RREF_FETCH = 18
 RREF_FORK_REQUEST = 19
 RREF_CHILD_ACCEPT = 20
 RREF_USER_DELETE = 21
+REMOTE_RET = 22
 
-CONTROL_KINDS = frozenset({RREF_FETCH, RREF_FORK_REQUEST, RREF_CHILD_ACCEPT, RREF_USER_DELETE})
+CONTROL_KINDS = frozenset({RREF_FETCH, RREF_FORK_REQUEST, RREF_CHILD_ACCEPT, RREF_USER_DELETE, REMOTE_RET})
 KIND_NAMES = {
     PYTHON_CALL: "PYTHON_CALL",
     PYTHON_REMOTE: "PYTHON_REMOTE",
@@ -43,6 +46,7 @@ KIND_NAMES = {
     RREF_FORK_REQUEST: "RREF_FORK_REQUEST",
     RREF_CHILD_ACCEPT: "RREF_CHILD_ACCEPT",
     RREF_USER_DELETE: "RREF_USER_DELETE",
+    REMOTE_RET: "REMOTE_RET",
 }
 
 OK, ERROR = 0, 1

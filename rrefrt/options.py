@@ -38,7 +38,11 @@ def _device_str(d: Any) -> str:
 class RpcBackendOptions:
     """Options of ``init_rpc``. ``timeout``-like fields are seconds.
 
-    ``_transports`` and ``_channels`` are TensorPipe's and are ignored.
+    ``secret`` (str or bytes) keys the CURVE authentication of every peer (docs/security.md);
+    None falls back to the environment variable RREFRT_SECRET, and without either the
+    workers do not authenticate each other. ``unpickle_allowlist`` restricts the globals a
+    received payload may name to these ``"module.qualname"`` strings (plus rrefrt's own);
+    None allows any. ``_transports`` and ``_channels`` are TensorPipe's and are ignored.
     """
 
     def __init__(
@@ -55,6 +59,8 @@ class RpcBackendOptions:
         heartbeat_timeout: float = 3.0,
         strict_rref_leaks: bool = False,
         max_message_size: int = 1 << 31,
+        secret: str | bytes | None = None,
+        unpickle_allowlist: list[str] | None = None,
         _transports: Any = None,
         _channels: Any = None,
     ) -> None:
@@ -73,6 +79,13 @@ class RpcBackendOptions:
             raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
         if not heartbeat_interval > 0 or not heartbeat_timeout > 0:
             raise ValueError("heartbeat_interval and heartbeat_timeout must be > 0")
+        if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
+            raise ValueError("secret must be a non-empty str or bytes (or None to use RREFRT_SECRET)")
+        if unpickle_allowlist is not None and (
+            isinstance(unpickle_allowlist, (str, bytes))
+            or not all(isinstance(n, str) and "." in n.strip(".") for n in unpickle_allowlist)
+        ):
+            raise ValueError(f"unpickle_allowlist must be a list of 'module.qualname' strings, got {unpickle_allowlist!r}")
         self.init_method = init_method
         self.rpc_timeout = float(rpc_timeout)
         self.num_worker_threads = num_worker_threads
@@ -86,6 +99,8 @@ class RpcBackendOptions:
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.strict_rref_leaks = bool(strict_rref_leaks)
         self.max_message_size = int(max_message_size)
+        self.secret = secret  #: never shown by repr
+        self.unpickle_allowlist = None if unpickle_allowlist is None else list(unpickle_allowlist)
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         """Tensors on caller device ``k`` arrive on callee ``to``'s device ``device_map[k]``."""

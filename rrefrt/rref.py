@@ -17,7 +17,7 @@ import time
 from typing import Any, Generic, TypeVar
 
 from . import state
-from .errors import RpcError, RpcTimeoutError, ShutdownError, fresh
+from .errors import OwnerDiedError, RpcError, RpcTimeoutError, ShutdownError, fresh
 from .futures import Future
 from .rref_context import OwnerRecord, UserRecord
 
@@ -99,6 +99,8 @@ class RRef(Generic[T]):
             if rec.closed_by_shutdown:
                 raise ShutdownError(f"{self!r} was deleted by rrefrt.shutdown()")
             if rec.error is not None:
+                if isinstance(rec.error, OwnerDiedError):  # name the RRef and its owner
+                    raise OwnerDiedError(f"{self!r} cannot be used: {rec.error}")
                 raise fresh(rec.error)
             if not rec.confirmed and rec.creation_deadline is not None and time.monotonic() > rec.creation_deadline:
                 raise RpcTimeoutError(f"the creation of {self!r} on its owner did not finish within its timeout")

@@ -27,7 +27,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import OwnerDiedError, RpcError, fresh
+from .errors import OwnerDiedError, RpcError, RRefCreationError, fresh
 from .ids import ForkId, IdGenerator, RRefId
 from .messages import (
     Action,
@@ -97,6 +97,9 @@ class RRefContext:
         #: child fork id -> (parent record, child worker); forks this worker sent to another
         #: user and that child has not accepted. Leave on RREF_CHILD_ACCEPT or child death.
         self.pending_children: dict[ForkId, tuple[UserRecord, int]] = {}
+        #: fork ids deleted on this owner (tombstones): a duplicated or retried fork request
+        #: or creation that arrives late must not resurrect them. Kept for the group's life.
+        self.deleted_forks: set[ForkId] = set()
         self.dead: set[int] = set()  #: workers declared dead
         #: rref id -> record, for every value owned here while anything references it
         #: (``owners`` or a local RRef object): how an RRef sent to itself finds its value.
@@ -124,6 +127,38 @@ class RRefContext:
             if error is not None and rec.error is None:
                 rec.error = error
             return self._confirm(rec)
+
+    def abandon_user(self, fork_id: ForkId, error: BaseException) -> list[Action]:
+        """The creating message of a remote() was never acknowledged: the RRef fails with
+        ``error`` on every use, and a delete goes to the owner at once. The owner keeps a
+        tombstone, so a creation that turns up late never runs, and one that did arrive
+        (only its ack was lost) is freed."""
+        with self._lock:
+            rec = self.pending_users.get(fork_id)
+            if rec is None:
+                return []
+            rec.error = rec.error or error
+            if rec.children:
+                return []  # its children still need the parent's fork: it stays pending
+            del self.pending_users[fork_id]
+            rec.confirmed, rec.alive = True, False
+            self._changed.notify_all()
+            if rec.owner in self.dead:
+                return []
+            self.deleting_users[fork_id] = rec
+            return [UserDelete(rec.owner, rec.rref_id, fork_id)]
+
+    def give_up_user(self, fork_id: ForkId, error: BaseException) -> None:
+        """A pending user's fork request was never acknowledged (retries exhausted): the
+        RRef fails with ``error``; its parent keeps the pending child (a leak the owner
+        reports at shutdown) rather than risk freeing a value the owner may still need."""
+        with self._lock:
+            rec = self.pending_users.get(fork_id)
+            if rec is None or rec.children:
+                return
+            del self.pending_users[fork_id]
+            rec.error = rec.error or error
+            self._changed.notify_all()
 
     def on_fork_request_ack(self, fork_id: ForkId) -> list[Action]:
         with self._lock:
@@ -255,9 +290,18 @@ class RRefContext:
             self.known_owned[rec.rref_id] = rec
         return rec
 
-    def on_remote_request(self, rref_id: RRefId, fork_id: ForkId, creator: int, type_name: str) -> OwnerRecord:
-        """PYTHON_REMOTE arrived: register the creator's fork; the value follows."""
+    def on_remote_request(
+        self, rref_id: RRefId, fork_id: ForkId, creator: int, type_name: str
+    ) -> OwnerRecord | None:
+        """PYTHON_REMOTE arrived: register the creator's fork; the value follows. Returns
+        None for a duplicate (retried or duplicated creation): the function must not run
+        twice."""
         with self._lock:
+            if fork_id in self.deleted_forks:
+                return None
+            rec = self.owners.get(rref_id) or self.known_owned.get(rref_id)
+            if rec is not None and rec.created:
+                return None
             rec = self._owner_record(rref_id, type_name, register=True)
             rec.created = True
             self.forks.setdefault(rref_id, {})[fork_id] = creator
@@ -290,11 +334,23 @@ class RRefContext:
 
     def on_fork_request(self, rref_id: RRefId, fork_id: ForkId, requester: int) -> None:
         with self._lock:
+            if fork_id in self.deleted_forks:
+                return  # a duplicate or retry that arrived after the fork was deleted
             self._owner_record(rref_id, register=True)
             self.forks.setdefault(rref_id, {})[fork_id] = requester
 
     def on_user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
         with self._lock:
+            self.deleted_forks.add(fork_id)
+            rec = self.owners.get(rref_id)
+            if rec is not None and not rec.created and not self.forks.get(rref_id) and fork_id == rref_id:
+                # the creator gave the creation up as lost: drop the placeholder, fail its fetches
+                del self.owners[rref_id]
+                rec.state = FAILED
+                rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
+                waiters, rec.waiters = rec.waiters, []
+                self._changed.notify_all()
+                return [ServeFetch(src, mid, rec) for src, mid in waiters]
             return self._drop_fork(rref_id, fork_id)
 
     def _drop_fork(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:

@@ -20,6 +20,7 @@ Threads and what runs where:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import gc
 import inspect
@@ -37,7 +38,9 @@ from . import serialization as ser
 from .errors import (
     OwnerDiedError,
     RpcError,
+    RemoteSerializationError,
     RpcTimeoutError,
+    RRefCreationError,
     SerializationError,
     ShutdownError,
     WorkerUnavailableError,
@@ -48,6 +51,8 @@ from .ids import ForkId, IdGenerator, RRefId
 from .messages import (
     CONTROL_KINDS,
     ERROR,
+    KIND_NAMES,
+    REMOTE_RET,
     OK,
     PYTHON_CALL,
     PYTHON_REMOTE,
@@ -103,6 +108,16 @@ class Runtime:
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
         self._active_calls = 0  #: user functions running or queued on behalf of peers
+        #: caller id -> its calls counted in _active_calls (shutdown waits for live callers only)
+        self._active_from: collections.Counter = collections.Counter()
+        self._outgoing_calls = 0  #: calls and fetches sent from here still awaiting an answer
+        #: src -> (ids, order): recent PYTHON_CALL ids per peer, to drop duplicates (I/O thread)
+        self._seen_calls: dict[int, tuple[set[int], collections.deque]] = {}
+        #: fork id -> to_here futures of a not yet confirmed remote(), failed if it is lost
+        self._fetches: dict[ForkId, list[Future[Any]]] = {}
+        #: NOTE [Retries]: the ack wait per attempt of a control message, and the attempts
+        self.control_retry_interval = 2.0
+        self.control_attempts = 15
         self._active_lock = threading.Condition()
         self.accepting = True
         self.closed = False
@@ -172,7 +187,7 @@ class Runtime:
         if dest == self.info.id:
             rec = self.ctx.new_local_owner(_NO_VALUE, tname)
             rrefs = self._rrefs_from_forks(forks, dest)
-            self._track_call(+1)
+            self._track_call(+1, dest)
             self.pool.submit(self._run_call, dest, PYTHON_REMOTE, 0, frames, rrefs, rec)
             return RRef._from_owner(self, rec)
         t = self._timeout(timeout)
@@ -180,15 +195,17 @@ class Runtime:
         if self.options.strict_rref_leaks:
             urec.site = creation_site()
         meta = [urec.rref_id.to_wire(), urec.fork_id.to_wire(), tname, forks]
+        fid = urec.fork_id
 
-        def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:
-            self._control.put(("remote_ret", urec.fork_id, m, fr, err))
+        def on_accept(err: Any) -> None:
+            if isinstance(err, transport.RequestTimeout):
+                self._control.put(("remote_lost", fid, dest))
 
         try:
-            self.agent.request(dest, PYTHON_REMOTE, meta, frames, 0, on_done)
+            self._control_request(dest, PYTHON_REMOTE, meta, frames, on_accept)
         except transport.TransportError as e:
             self._abort_forks(forks)
-            self._perform(self.ctx.on_remote_ret(urec.fork_id, translate(e, "remote()")))
+            self._perform(self.ctx.on_remote_ret(fid, translate(e, "remote()")))
             raise translate(e, "remote()") from None
         return RRef._from_user(self, urec)
 
@@ -200,6 +217,18 @@ class Runtime:
             t = max(0.001, min(t, rec.creation_deadline - time.monotonic())) if t > 0 else max(0.001, rec.creation_deadline - time.monotonic())
         fut: Future[Any] = Future()
         fut._callback_pool = self.callbacks
+        if not rec.confirmed:  # fails at once if the creation turns out lost
+            fid = rec.fork_id
+            self._fetches.setdefault(fid, []).append(fut)
+
+            def forget(f: Future[Any], fid: ForkId = fid) -> None:
+                waiting = self._fetches.get(fid)
+                if waiting is not None and f in waiting:
+                    waiting.remove(f)
+                    if not waiting:
+                        self._fetches.pop(fid, None)
+
+            fut.add_done_callback(forget)
         self._send_request(rec.owner, RREF_FETCH, [rec.rref_id.to_wire(), rec.fork_id.to_wire()], [], t, fut, f"to_here() of {rref!r}", [], repr(rref))
         return fut
 
@@ -230,14 +259,19 @@ class Runtime:
         forks: list[Any], owner_of: str | None = None,
     ) -> None:
         def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:
-            if err is not None:
-                fut._fail(translate(err, what, owner_of))
-                return
-            self._complete(fut, dest, m, fr)
+            try:
+                if err is not None:
+                    fut._fail(translate(err, what, owner_of))
+                    return
+                self._complete(fut, dest, m, fr)
+            finally:
+                self._track_outgoing(-1)
 
+        self._track_outgoing(+1)
         try:
-            self.agent.request(dest, kind, meta, frames, timeout, on_done)
+            self.agent.request(dest, kind, meta, frames, timeout, on_done, KIND_NAMES[kind])
         except transport.TransportError as e:
+            self._track_outgoing(-1)
             self._abort_forks(forks)
             raise translate(e, what, owner_of) from None
 
@@ -296,17 +330,17 @@ class Runtime:
             try:
                 if isinstance(a, ForkRequest):
                     fid = a.fork_id
-                    self.agent.request(
-                        a.dest, RREF_FORK_REQUEST, [a.rref_id.to_wire(), fid.to_wire(), a.parent], [], 0,
-                        lambda m, f, e, fid=fid: self._control.put(("fork_ack", fid, e)),
+                    self._control_request(
+                        a.dest, RREF_FORK_REQUEST, [a.rref_id.to_wire(), fid.to_wire(), a.parent], [],
+                        lambda e, fid=fid: self._control.put(("fork_ack", fid, e)),
                     )
                 elif isinstance(a, ChildAccept):
-                    self.agent.request(a.dest, RREF_CHILD_ACCEPT, [a.fork_id.to_wire()], [], 0, _ignore)
+                    self._control_request(a.dest, RREF_CHILD_ACCEPT, [a.fork_id.to_wire()], [], _ignore_ack)
                 elif isinstance(a, UserDelete):
                     fid = a.fork_id
-                    self.agent.request(
-                        a.dest, RREF_USER_DELETE, [a.rref_id.to_wire(), fid.to_wire()], [], 0,
-                        lambda m, f, e, fid=fid: self._control.put(("delete_ack", fid, e)),
+                    self._control_request(
+                        a.dest, RREF_USER_DELETE, [a.rref_id.to_wire(), fid.to_wire()], [],
+                        lambda e, fid=fid: self._control.put(("delete_ack", fid, e)),
                     )
                 elif isinstance(a, ServeFetch):
                     self._serve_fetch(a)
@@ -314,22 +348,52 @@ class Runtime:
             except transport.AgentClosed:
                 log.debug("protocol message %r not sent: transport closed", a)
 
+    def _control_request(
+        self, dest: int, kind: int, meta: Any, frames: Sequence[Any], on_ack: Callable[[Any], None], attempt: int = 1
+    ) -> None:
+        """Send a protocol message and retry it until acknowledged.
+
+        NOTE [Retries]: a control message whose ack does not come within
+        ``control_retry_interval`` is sent again (``control_attempts`` times at most); the
+        receivers' handlers are idempotent, and deleted forks leave tombstones, so a
+        duplicate or late retry changes nothing. A dead peer stops the retries (G3 cleans up).
+        """
+
+        def done(meta: Any, fr: Sequence[Any], err: Any) -> None:
+            if isinstance(err, transport.RequestTimeout) and attempt < self.control_attempts and not self.closed:
+                self.agent.stats["control_retries"] += 1
+                try:
+                    self._control_request(dest, kind, meta_out, frames, on_ack, attempt + 1)
+                    return
+                except transport.TransportError as e:
+                    err = e
+            if isinstance(err, transport.RequestTimeout):
+                log.error("%s to worker %r was never acknowledged after %d attempts", KIND_NAMES[kind],
+                          self.workers_by_id[dest].name, attempt)
+            on_ack(err)
+
+        meta_out = meta
+        self.agent.request(dest, kind, meta, frames, self.control_retry_interval, done, KIND_NAMES[kind])
+
     def _serve_fetch(self, sf: ServeFetch) -> None:
         rec = sf.record
         if rec.state == FAILED:
-            self.agent.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(rec.error, self.info.name))
+            self._respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(rec.error, self.info.name), RREF_FETCH)
             return
         try:
             frames, forks = self._dumps(rec.value, sf.src)
         except Exception as e:
-            self.agent.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, self.info.name))
+            self._respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, self.info.name), RREF_FETCH)
             return
-        self.agent.respond(sf.src, sf.msg_id, [OK, forks], frames)
+        self._respond(sf.src, sf.msg_id, [OK, forks], frames, RREF_FETCH)
 
     # ------------------------------------------------------------------ incoming (I/O thread)
     def _on_message(self, src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
         if kind in CONTROL_KINDS:
-            self._control.put(("msg", src, kind, msg_id, meta))
+            if not _control_meta_ok(kind, meta):  # malformed: dropped and counted here
+                self.agent.stats["bad_frames_dropped"] += 1
+                return
+            self._control.put(("msg", src, kind, msg_id, meta, frames))
             return
         if kind not in (PYTHON_CALL, PYTHON_REMOTE):
             self.agent.stats["bad_frames_dropped"] += 1
@@ -337,10 +401,20 @@ class Runtime:
         try:
             if kind == PYTHON_CALL:
                 (forks,) = meta
+                [ForkData.from_wire(f) for f in forks]  # malformed input changes no state
                 rec = None
+                if self._seen_before(src, msg_id):
+                    self.agent.stats["duplicate_calls_dropped"] += 1
+                    return
             else:
                 rid, fid, tname, forks = meta
+                [ForkData.from_wire(f) for f in forks]  # malformed input changes no state
                 rec = self.ctx.on_remote_request(RRefId.from_wire(rid), ForkId.from_wire(fid), src, str(tname))
+                self._respond(src, msg_id, [OK, []], [], PYTHON_REMOTE)  # accepted
+                if rec is None:
+                    self.agent.stats["duplicate_calls_dropped"] += 1
+                    return
+                msg_id = 0  # the result goes back as REMOTE_RET, not as a response
             rrefs = self._rrefs_from_forks(forks, src)
         except Exception:
             self.agent.stats["bad_frames_dropped"] += 1
@@ -349,13 +423,34 @@ class Runtime:
             err = ShutdownError(f"worker {self.info.name!r} is shutting down and accepts no new calls")
             self._finish_call(src, kind, msg_id, rec, None, err)
             return
-        self._track_call(+1)
+        self._track_call(+1, src)
         self.pool.submit(self._run_call, src, kind, msg_id, frames, rrefs, rec)
 
-    def _track_call(self, delta: int) -> None:
+    def _seen_before(self, src: int, msg_id: int) -> bool:
+        """I/O thread only: a PYTHON_CALL delivered twice must not run twice."""
+        seen = self._seen_calls.get(src)
+        if seen is None:
+            seen = self._seen_calls[src] = (set(), collections.deque())
+        ids, order = seen
+        if msg_id in ids:
+            return True
+        ids.add(msg_id)
+        order.append(msg_id)
+        if len(order) > 65536:
+            ids.discard(order.popleft())
+        return False
+
+    def _track_call(self, delta: int, src: int) -> None:
         with self._active_lock:
             self._active_calls += delta
+            self._active_from[src] += delta
             if self._active_calls == 0:
+                self._active_lock.notify_all()
+
+    def _track_outgoing(self, delta: int) -> None:
+        with self._active_lock:
+            self._outgoing_calls += delta
+            if self._outgoing_calls == 0:
                 self._active_lock.notify_all()
 
     def _run_call(self, src: int, kind: int, msg_id: int, frames: Sequence[Any], rrefs: list[Any], rec: OwnerRecord | None) -> None:
@@ -363,11 +458,16 @@ class Runtime:
             try:
                 self._finish_call(src, kind, msg_id, rec, value, exc)
             finally:
-                self._track_call(-1)
+                self._track_call(-1, src)
 
         try:
             func, args, kwargs = ser.loads(frames, rrefs)
         except BaseException as e:
+            if isinstance(e, SerializationError):  # we lack (or refuse) a class: say so, typed
+                cause = e.__cause__ or e
+                err = RemoteSerializationError(str(e), f"{type(cause).__module__}.{type(cause).__qualname__}", self.info.name)
+                err.__cause__ = e
+                e = err
             done(None, e)
             return
         del rrefs, frames
@@ -407,25 +507,27 @@ class Runtime:
         if kind == PYTHON_REMOTE:
             assert rec is not None
             self._perform(self.ctx.set_value(rec, value, exc))
-            if msg_id == 0:  # remote() to self
+            if src == self.info.id:  # remote() to self
                 return
-            if exc is None:
-                self._respond(src, msg_id, [OK, []], [])
-            else:
-                self._respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, self.info.name))
+            meta = [rec.rref_id.to_wire(), OK if exc is None else ERROR]
+            frames = [] if exc is None else ser.dumps_error(exc, self.info.name)
+            try:
+                self._control_request(src, REMOTE_RET, meta, frames, _ignore_ack)
+            except transport.TransportError:
+                log.debug("REMOTE_RET for %s not sent: transport closed", rec.rref_id)
             return
         if exc is None:
             try:
                 frames, forks = self._dumps(value, src)
-                self._respond(src, msg_id, [OK, forks], frames)
+                self._respond(src, msg_id, [OK, forks], frames, kind)
                 return
             except Exception as e:
                 exc = e
-        self._respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, self.info.name))
+        self._respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, self.info.name), kind)
 
-    def _respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
+    def _respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any], about: int = 0) -> None:
         try:
-            self.agent.respond(dest, msg_id, meta, frames)
+            self.agent.respond(dest, msg_id, meta, frames, "RESPONSE:" + KIND_NAMES.get(about, "?"))
         except transport.MessageTooLarge as e:
             self.agent.respond(dest, msg_id, [ERROR, []], ser.dumps_error(SerializationError(f"result too large: {e}"), self.info.name))
         except transport.AgentClosed:
@@ -458,41 +560,47 @@ class Runtime:
         op = item[0]
         ctx = self.ctx
         if op == "msg":
-            _, src, kind, msg_id, meta = item
+            _, src, kind, msg_id, meta, _frames = item
             if kind == RREF_FETCH:
                 sf = ctx.on_fetch(RRefId.from_wire(meta[0]), src, msg_id)
                 if sf is not None:
                     self._serve_fetch(sf)
             elif kind == RREF_FORK_REQUEST:
                 ctx.on_fork_request(RRefId.from_wire(meta[0]), ForkId.from_wire(meta[1]), src)
-                self._respond(src, msg_id, [OK, []], [])
+                self._respond(src, msg_id, [OK, []], [], kind)
             elif kind == RREF_CHILD_ACCEPT:
                 actions = ctx.on_child_accept(ForkId.from_wire(meta[0]))
-                self._respond(src, msg_id, [OK, []], [])
+                self._respond(src, msg_id, [OK, []], [], kind)
                 self._perform(actions)
             elif kind == RREF_USER_DELETE:
                 actions = ctx.on_user_delete(RRefId.from_wire(meta[0]), ForkId.from_wire(meta[1]))
-                self._respond(src, msg_id, [OK, []], [])
+                self._respond(src, msg_id, [OK, []], [], kind)
                 self._perform(actions)
+            elif kind == REMOTE_RET:
+                rid, status = RRefId.from_wire(meta[0]), meta[1]
+                error = None if status == OK else ser.loads_error(item[5], self.workers_by_id[src].name)
+                self._respond(src, msg_id, [OK, []], [], kind)
+                self._perform(ctx.on_remote_ret(rid, error))
         elif op == "drop":
             self._perform(ctx.user_dropped(item[1]))
         elif op == "fork_ack":
             if item[2] is None:
                 self._perform(ctx.on_fork_request_ack(item[1]))
+            elif isinstance(item[2], transport.RequestTimeout):  # retries exhausted
+                ctx.give_up_user(item[1], RpcError(f"the owner never confirmed fork {item[1]} of this RRef"))
         elif op == "delete_ack":
-            if item[2] is None:
-                ctx.on_user_delete_ack(item[1])
-        elif op == "remote_ret":
-            _, fid, meta, frames, err = item
-            if err is not None:
-                if isinstance(err, transport.PeerUnavailable):
-                    return  # on_peer_dead fails the record
-                error: BaseException | None = translate(err, "remote()")
-            elif meta[0] == OK:
-                error = None
-            else:
-                error = ser.loads_error(frames, "owner")
-            self._perform(ctx.on_remote_ret(fid, error))
+            # acknowledged, or never (retries exhausted: the owner will report the leak), or
+            # the owner died: either way this worker is done with the fork
+            ctx.on_user_delete_ack(item[1])
+        elif op == "remote_lost":
+            _, fid, dest = item
+            error = RRefCreationError(
+                f"RRef creation failed: worker {self.workers_by_id[dest].name!r} never acknowledged the creation "
+                f"of RRef {fid} after {self.control_attempts} attempts (the message was lost)"
+            )
+            self._perform(ctx.abandon_user(fid, error))
+            for fut in self._fetches.pop(fid, ()):
+                fut._fail(fresh(error))
         elif op == "dead":
             self._perform(ctx.on_peer_dead(item[1]))
         elif op == "sync":
@@ -509,9 +617,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ shutdown
     def wait_idle(self, deadline: float) -> bool:
-        """Until no call from a peer is running or queued here."""
+        """Until no call from a peer is running or queued here and no call or fetch made
+        here is still waiting for its answer (in-flight calls complete before shutdown)."""
         with self._active_lock:
-            while self._active_calls:
+            while self._outgoing_calls or any(
+                n and (src == self.info.id or self.agent.is_alive(src)) for src, n in self._active_from.items()
+            ):  # calls on behalf of a dead worker are not waited for: their answers go nowhere
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -533,7 +644,7 @@ class Runtime:
         stats = self.agent.stats
         for key in ("messages_sent", "messages_received", "bytes_sent", "bytes_received", "bad_frames_dropped",
                     "unknown_peer_dropped", "fenced_dropped", "late_responses_dropped", "requests_timed_out",
-                    "peers_declared_dead"):
+                    "peers_declared_dead", "control_retries", "duplicate_calls_dropped"):
             info[f"agent.{key}"] = int(stats.get(key, 0))
         for name, n in self.agent.pending_per_peer().items():
             info[f"agent.pending_futures.{name}"] = n
@@ -560,7 +671,26 @@ class Runtime:
                 self._loop_thread.join(2.0)
 
 
-def _ignore(meta: Any, frames: Any, err: Any) -> None:
+def _control_meta_ok(kind: int, meta: Any) -> bool:
+    """Whether a control message's meta has the shape its handler reads (messages.py table)."""
+    try:
+        if type(meta) is not list:
+            return False
+        if kind == RREF_CHILD_ACCEPT:
+            ForkId.from_wire(meta[0])
+        elif kind == REMOTE_RET:
+            RRefId.from_wire(meta[0])
+            return meta[1] in (OK, ERROR)
+        else:  # RREF_FETCH, RREF_USER_DELETE [rref_id, fork_id]; RREF_FORK_REQUEST [.., parent]
+            RRefId.from_wire(meta[0])
+            ForkId.from_wire(meta[1])
+            return kind != RREF_FORK_REQUEST or type(meta[2]) is int
+        return True
+    except Exception:
+        return False
+
+
+def _ignore_ack(err: Any) -> None:
     return None
 
 

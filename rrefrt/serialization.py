@@ -19,7 +19,10 @@ so a payload that fails to decode still accounts for every fork it carried.
 
 NOTE [Unpickling allowlist]: ``set_unpickle_allowlist`` restricts which globals a payload
 may name (for jobs that must not run arbitrary code on receipt). Control messages are never
-pickled at all.
+pickled at all. Under an allowlist a payload may name exactly the listed ``module.qualname``
+strings, the few rrefrt globals rrefrt itself pickles (``_INTERNAL_GLOBALS``) and rrefrt's
+error classes - never "anything in an rrefrt module": pickle resolves dotted names through
+attributes, so ``rrefrt.runtime`` + ``os.system`` would reach ``os.system``.
 """
 
 from __future__ import annotations
@@ -125,10 +128,31 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+#: rrefrt's globals that payloads name, admitted under any allowlist
+_INTERNAL_GLOBALS = frozenset({
+    "rrefrt.serialization._rebuild_tensor",
+    "rrefrt.serialization._load_rref",
+    "rrefrt.rref._invoke_on_owner",
+    "rrefrt.options.WorkerInfo",
+})
+
+
+def _admitted(module: str, name: str, allow: frozenset[str]) -> bool:
+    full = f"{module}.{name}"
+    if full in allow or full in _INTERNAL_GLOBALS:
+        return True
+    if module == "rrefrt.errors" and "." not in name:  # rrefrt's error classes, nothing else
+        from . import errors
+
+        obj = getattr(errors, name, None)
+        return isinstance(obj, type) and issubclass(obj, RpcError)
+    return False
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         allow = _allowlist
-        if allow is not None and not module.startswith(("rrefrt", "transport")) and f"{module}.{name}" not in allow:
+        if allow is not None and not _admitted(module, name, allow):
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not in the unpickling allowlist")
         return super().find_class(module, name)
 

@@ -21,11 +21,20 @@ def current() -> Any:
     if rt is None:
         raise ShutdownError("RPC is not running on this process: call rrefrt.init_rpc() first (or it was shut down)")
     if rt.pid != os.getpid():
-        raise ShutdownError(
-            "this process was forked from an rrefrt worker: the inherited runtime cannot be used "
-            "in the child; call rrefrt.init_rpc() afresh in the child to join a new group"
-        )
+        raise ShutdownError(FORKED)
     return rt
+
+
+FORKED = (
+    "this process was forked from an rrefrt worker: the inherited runtime cannot be used "
+    "in the child; call rrefrt.init_rpc() afresh in the child to join a new group"
+)
+
+
+def inherited() -> bool:
+    """True in a forked child that inherited its parent's runtime (and has no own one)."""
+    rt = _runtime
+    return rt is not None and rt.pid != os.getpid()
 
 
 def current_or_none() -> Any:

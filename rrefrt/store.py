@@ -49,7 +49,15 @@ class StoreTimeout(StoreError, TimeoutError):
 
 
 class PortInUseError(StoreError, OSError):
-    """The rendezvous port is already taken by another process."""
+    """The rendezvous port is already taken by another process (errno EADDRINUSE)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.EADDRINUSE
+        self.strerror = message
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 def _pack(head: int, fields: list[bytes]) -> bytes:
@@ -94,7 +102,8 @@ class StoreServer:
         self._data: dict[bytes, bytes] = {}  #: key -> value; keys stay until deleted
         self._cond = threading.Condition()
         self._closed = False
-        self._conns: set[socket.socket] = set()
+        #: open connections, each with the lock its thread holds while answering a request
+        self._conns: dict[socket.socket, threading.Lock] = {}
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -103,9 +112,8 @@ class StoreServer:
             sock.close()
             if e.errno == errno.EADDRINUSE:
                 raise PortInUseError(
-                    errno.EADDRINUSE,
                     f"rendezvous port {host}:{port} is already in use by another process; "
-                    "choose another MASTER_PORT (or stop the job that holds it)",
+                    "choose another MASTER_PORT (or stop the job that holds it)"
                 ) from None
             raise StoreError(f"cannot bind the rendezvous store on {host}:{port}: {e}") from e
         sock.listen(128)
@@ -125,20 +133,23 @@ class StoreServer:
                 if self._closed:
                     conn.close()
                     return
-                self._conns.add(conn)
+                self._conns[conn] = threading.Lock()
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        lock = self._conns[conn]
         try:
             while True:
-                op, fields = _unpack(_recv_frame(conn))
-                status, out = self._handle(op, fields)
-                conn.sendall(_pack(status, out))
+                request = _recv_frame(conn)
+                with lock:  # close() never cuts a connection between a request and its answer
+                    op, fields = _unpack(request)
+                    status, out = self._handle(op, fields)
+                    conn.sendall(_pack(status, out))
         except (OSError, ConnectionError, struct.error, IndexError, ValueError):
             pass
         finally:
             with self._cond:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
     def _handle(self, op: int, f: list[bytes]) -> tuple[int, list[bytes]]:
@@ -172,19 +183,23 @@ class StoreServer:
 
     def close(self) -> None:
         with self._cond:
-            self._closed = True
-            conns = list(self._conns)
+            self._closed = True  # blocked GET/WAIT requests return (timeout) at once
+            conns = list(self._conns.items())
             self._cond.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
-        for c in conns:
+        for c, lock in conns:
+            got = lock.acquire(timeout=1.0)  # let an answer in progress go out first
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            finally:
+                if got:
+                    lock.release()
         self._thread.join(timeout=2.0)
 
 

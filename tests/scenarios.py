@@ -61,3 +61,99 @@ def block_forever(spec: dict) -> dict:
 
     threading.Event().wait(60)
     return {}
+
+
+def leak_by_dropped_delete(spec: dict) -> dict:
+    """w0's deletes never reach the owner (dropped by a fault plan, retries exhausted)."""
+    from rrefrt import faults
+
+    if spec["rank"] == 0:
+        faults.install(faults.FaultPlan([faults.Rule("RREF_USER_DELETE", "drop")], control_retry_interval=0.02))
+        rref = rrefrt.remote("w1", fns.identity, args=(7,))
+        assert rref.to_here() == 7
+        del rref
+        gc.collect()
+    try:
+        rrefrt.shutdown()
+        return {"error": None}
+    except rrefrt.RpcError as e:
+        return {"error": type(e).__name__, "message": str(e), "leaks": getattr(e, "leaks", [])}
+
+
+def chaos_worker(spec: dict) -> dict:
+    """One worker of a chaos run (tests/chaos.py): faults installed, rank 0 drives."""
+    import random
+
+    from rrefrt import faults
+    from tests.chaos import plan_for
+
+    rank, seed = spec["rank"], spec["seed"]
+    faults.install(plan_for(seed, rank))
+    errors: dict[str, int] = {}
+    samples: list[str] = []
+
+    def note(e: BaseException) -> None:
+        errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+        if len(samples) < 5:
+            samples.append(f"{type(e).__name__}: {str(e)[:200]}")
+
+    if rank == 0:
+        rng = random.Random(seed)
+        held: list = []
+        end = time.monotonic() + spec["duration"]
+        while time.monotonic() < end:
+            op = rng.randrange(6)
+            target = f"w{rng.randrange(3)}"
+            try:
+                if op == 0 or not held:
+                    held.append(rrefrt.remote(target, fns.identity, args=(rng.randrange(100),), timeout=2))
+                elif op == 1:
+                    rrefrt.rpc_sync(target, fns.rref_value, args=(rng.choice(held),), timeout=2)
+                elif op == 2:
+                    rng.choice(held).to_here(timeout=2)
+                elif op == 3:
+                    rrefrt.rpc_sync(target, fns.rref_pass_on, args=(rng.choice(held), f"w{rng.randrange(3)}"), timeout=3)
+                elif op == 4:
+                    rrefrt.futures.wait_all([rrefrt.rpc_async(target, fns.add, args=(i, 1), timeout=2) for i in range(5)])
+                else:
+                    held.pop(rng.randrange(len(held)))
+            except Exception as e:  # every failure must be a documented, typed error
+                note(e)
+        held.clear()
+    gc.collect()
+    faults.clear()  # the end of the run is checked on a clean network
+    left = {}
+    try:
+        # let drops, retries and deletes settle (bounded), then count what is still owned
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            gc.collect()
+            left = fns.owner_counts()
+            if left["num_owner_rrefs"] == 0 and left["num_pending_users"] == 0 and left["num_pending_children"] == 0:
+                break
+            threading_event_wait(0.05)
+        rrefrt.shutdown()
+    except Exception as e:
+        note(e)
+    return {"errors": errors, "samples": samples, "owner_rrefs_left": left.get("num_owner_rrefs", 0), "counts": left}
+
+
+def threading_event_wait(seconds: float) -> None:
+    import threading
+
+    threading.Event().wait(seconds)  # paces the re-check of a bounded condition
+
+
+def hold_many_rrefs_at_shutdown(spec: dict) -> dict:
+    """10,000 live RRefs (owned by w1, held by w0) at graceful shutdown."""
+    held = []
+    if spec["rank"] == 0:
+        held = [rrefrt.remote("w1", fns.identity, args=(i,)) for i in range(10_000)]
+        assert held[-1].to_here() == 9_999
+    t0 = time.monotonic()
+    try:
+        rrefrt.shutdown()
+        error = None
+    except rrefrt.RpcError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "took": time.monotonic() - t0, "held": len(held)}

@@ -213,3 +213,19 @@ def test_strict_leaks_name_each_rref_and_its_creation_site(workers):
     assert len(user["leaks"]) == 6
     assert sum("scenarios.py" in leak for leak in user["leaks"]) == 5  # created by remote() there
     assert all("RRef 0:" in leak or "RRef 1:" in leak for leak in user["leaks"])
+
+
+def test_graceful_shutdown_with_ten_thousand_live_rrefs_is_bounded(workers):
+    port = free_port()
+    for r in range(2):
+        workers.start({"name": f"w{r}", "rank": r, "world_size": 2, "port": port,
+                       "scenario": "hold_many_rrefs_at_shutdown", "options": {"shutdown_timeout": 30}})
+    results = []
+    for code, text in workers.wait_all(90):
+        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+        assert code == 0 and lines, text
+        results.append(json.loads(lines[-1][7:]))
+    user, owner = results
+    assert user["held"] == 10_000 and user["error"] is None and owner["error"] is None, results
+    print(f"graceful shutdown with 10,000 live RRefs: {user['took']:.2f}s (bound 5 s)")
+    assert user["took"] <= 5.0

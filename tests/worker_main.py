@@ -1,8 +1,9 @@
 """A worker process for tests: ``python tests/worker_main.py '<json spec>'``.
 
 spec: name, rank, world_size, port, options (RpcBackendOptions kwargs), and optionally
-``scenario`` - the name of a function in tests/scenarios.py to run after init_rpc (its
-return value is printed as JSON on a line starting with RESULT). Without a scenario the
+``addr`` (the rendezvous address, 127.0.0.1 by default), ``scenario`` - the name of a
+function in ``module`` (tests.scenarios by default) to run after init_rpc (its return
+value is printed as JSON on a line starting with RESULT). Without a scenario the
 worker serves calls until the group shuts down. Exit code 0 on success.
 """
 
@@ -19,13 +20,15 @@ import rrefrt  # noqa: E402
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
-    opts = rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{spec['port']}", **spec.get("options", {}))
+    addr = spec.get("addr", "127.0.0.1")
+    opts = rrefrt.RpcBackendOptions(init_method=f"tcp://{addr}:{spec['port']}", **spec.get("options", {}))
     rrefrt.init_rpc(spec["name"], rank=spec["rank"], world_size=spec["world_size"], rpc_backend_options=opts)
     scenario = spec.get("scenario")
     if scenario:
-        from tests import scenarios
+        import importlib
 
-        result = getattr(scenarios, scenario)(spec)
+        module = importlib.import_module(spec.get("module", "tests.scenarios"))
+        result = getattr(module, scenario)(spec)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     rrefrt.shutdown(graceful=spec.get("graceful", True))

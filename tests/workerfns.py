@@ -167,3 +167,25 @@ def block_on_event(seconds: float) -> float:
     t0 = time.monotonic()
     threading.Event().wait(seconds)
     return time.monotonic() - t0
+
+
+_calls = {"n": 0}
+
+
+def count_call() -> int:
+    """Counts its own executions: a duplicated or retried call must not run twice."""
+    _calls["n"] += 1
+    return _calls["n"]
+
+
+def calls_made(reset: bool = False) -> int:
+    n = _calls["n"]
+    if reset:
+        _calls["n"] = 0
+    return n
+
+
+def gc_collect() -> int:
+    import gc
+
+    return gc.collect()

@@ -4,7 +4,15 @@ Knows nothing about RRefs; imports only zmq, msgpack and the standard library.
 """
 
 from .agent import Agent, AgentOptions, PeerSpec
-from .errors import AgentClosed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
+from .errors import (
+    AgentClosed,
+    AuthenticationFailed,
+    MessageTooLarge,
+    PeerUnavailable,
+    RequestTimeout,
+    TransportError,
+)
+from .security import CurveAuth
 from .wire import FIRST_APP_KIND
 
 __all__ = [
@@ -12,6 +20,8 @@ __all__ = [
     "AgentOptions",
     "PeerSpec",
     "AgentClosed",
+    "AuthenticationFailed",
+    "CurveAuth",
     "MessageTooLarge",
     "PeerUnavailable",
     "RequestTimeout",

@@ -14,6 +14,10 @@ Rules:
 3. Every request has a deadline or is bounded by peer death: when a peer is declared dead,
    every request pending on it fails with ``PeerUnavailable`` naming it, and its late
    messages are dropped for the life of the agent (it is fenced).
+4. With ``AgentOptions.auth`` every connection, accepted or made, passes CURVE and the ZAP
+   handler before libzmq hands over any of its messages (NOTE [Authentication] in
+   ``transport.security``); a mesh that cannot authenticate fails ``connect_peers`` with
+   ``AuthenticationFailed`` naming the peers (NOTE [Handshake failures]).
 
 NOTE [Liveness]: libzmq's heartbeats (HEARTBEAT_IVL/TIMEOUT/TTL) are answered by libzmq's own
 thread, so a busy or deadlocked Python process still looks alive, while a dead, stopped or
@@ -23,6 +27,19 @@ routes (PING) on every disconnect event from the socket monitor and every heartb
 interval. A peer whose route stays gone for ``route_grace`` seconds is declared dead. A
 successful send proves nothing (the peer may vanish right after), which is why every
 request also carries its own deadline.
+
+NOTE [Handshake failures]: the monitor reports failed handshakes. On a connect (whose peer
+we know) libzmq retries only one closed mid-handshake, so a protocol or authentication
+failure, or HANDSHAKE_ATTEMPTS closed handshakes in a row, fail ``connect_peers`` at once
+naming that peer. On an accepted connection the monitor names only our own endpoint, and
+anyone may connect there: so a failure while lower-ranked peers (those that connect to
+us) are still missing fails ``connect_peers`` naming them only if they are still missing
+ACCEPT_GRACE seconds later - a stray connection cannot abort a join that completes. After
+the join, failures are counted (``handshake_failures``) and logged, nothing else.
+
+NOTE [Fault injection]: tests install ``fault_hook`` to drop, delay, duplicate or reorder
+(delay one so later ones overtake) outgoing messages by label. It sits after a request is
+registered, so a dropped request still fails at its deadline, exactly like a lost one.
 """
 
 from __future__ import annotations
@@ -41,8 +58,15 @@ from typing import Any, Callable, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import wire
-from .errors import AgentClosed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
+from . import security, wire
+from .errors import (
+    AgentClosed,
+    AuthenticationFailed,
+    MessageTooLarge,
+    PeerUnavailable,
+    RequestTimeout,
+    TransportError,
+)
 
 log = logging.getLogger("rrefrt.transport")
 
@@ -54,6 +78,8 @@ OnMessage = Callable[[int, int, int, Any, Sequence[Any]], None]
 OnPeerDead = Callable[[int, str], None]
 
 _PROBE_SUSPECT_S = 0.05
+HANDSHAKE_ATTEMPTS = 3  #: closed handshakes in a row on a connect that fail the join
+ACCEPT_GRACE = 2.0  #: seconds a peer may stay missing after a failed accepted handshake
 
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _ZERO_COPY_MIN = 1 << 16  #: frames this large are sent without a copy (libzmq keeps a reference)
@@ -99,6 +125,8 @@ class AgentOptions:
     route_grace: float = 0.5
     max_message_size: int = 1 << 31
     linger: float = 0.5
+    #: CURVE keys of the job (NOTE [Authentication]); None: no authentication (ZeroMQ NULL)
+    auth: security.CurveAuth | None = None
 
 
 class Agent:
@@ -125,17 +153,38 @@ class Agent:
         self._peers: dict[int, _Peer] = {}  #: worker id -> peer (I/O thread only after start)
         self._self_pending: dict[int, _Pending] = {}  #: msg_id -> request sent to ourselves
         self._deadlines: list[tuple[float, int, int]] = []  #: heap of (deadline, msg_id, dest)
+        #: heap of (due, seq, dest, frames): messages the fault hook delayed
+        self._delayed: list[tuple[float, int, int, list]] = []
+        #: fault_hook(dest, label) -> delays: [] drops the message, [0] sends it, [0, 0]
+        #: duplicates it, [d] delays it by d seconds. Installed by tests only.
+        self.fault_hook: Callable[[int, str], list[float]] | None = None
         self._all_up = threading.Event()
         self._closed = threading.Event()
         self._stopping = False
         self._next_probe = 0.0
         self._probe_now = False
+        #: re-probe every route until then: a probe right after a disconnect event can still
+        #: "succeed" into the closing pipe (libzmq detaches it from the socket later)
+        self._probe_until = 0.0
         self.endpoints: list[str] = []
         self.stats: collections.Counter = collections.Counter()
         self._ctx = zmq.Context(io_threads=1)
         self._ctx.setsockopt(zmq.LINGER, int(self.options.linger * 1000))
+        auth = self.options.auth
+        if auth is not None and auth.rank != worker_id:
+            raise ValueError(f"the CURVE keys are those of rank {auth.rank}, not of worker id {worker_id}")
+        #: bound before the socket binds, closed after it (NOTE [Authentication], Rule 3)
+        self._zap = security.ZapHandler(self._ctx, auth, self.stats) if auth is not None else None
+        self._connects: dict[str, int] = {}  #: connect endpoint -> peer id (I/O thread)
+        self._connect_failures: dict[int, int] = {}  #: peer id -> closed handshakes in a row
+        self._accept_failed_at = 0.0  #: first failed accepted handshake before the join ended
+        self._accept_cause = ""
+        self._join_started = 0.0
+        self._join_error: AuthenticationFailed | None = None  #: set once; wakes connect_peers
         self._sock = self._make_socket()
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | security.HANDSHAKE_EVENTS
+        )
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-io-{name}", daemon=True)
 
     # ------------------------------------------------------------------ setup (any thread)
@@ -153,10 +202,14 @@ class Agent:
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(o.heartbeat_timeout * 1000)))
         s.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(o.heartbeat_timeout * 1000)))
         s.setsockopt(zmq.RECONNECT_IVL, 100)
+        if o.auth is not None:
+            security.configure_keys(s, o.auth)
         return s
 
     def bind(self, endpoint: str) -> str:
         """Bind before start(); returns the concrete endpoint (port 0 -> the chosen port)."""
+        if self.options.auth is not None:  # options are copied at bind (NOTE [Authentication], Rule 2)
+            security.configure_server(self._sock, self.options.auth)
         self._sock.bind(endpoint)
         actual = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.endpoints.append(actual)
@@ -168,22 +221,35 @@ class Agent:
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Join the mesh: connect to peers with a higher id, exchange HELLO with all of
         them, and return once every route is up; raise TransportError naming the missing
-        peers after ``timeout`` seconds."""
+        peers after ``timeout`` seconds, or AuthenticationFailed naming the peers that
+        fail the handshake (NOTE [Handshake failures])."""
         self._check_usable()
+        auth = self.options.auth
+        if auth is not None:
+            for spec in peers:
+                if not 0 <= spec.id < auth.world_size:
+                    raise TransportError(f"worker {spec.name!r} has id {spec.id}, outside the job's {auth.world_size} keys")
 
         def setup() -> None:
             now = time.monotonic()
+            self._join_started = now
             for spec in peers:
                 if spec.id == self.id:
                     continue
                 peer = _Peer(spec=spec, rid=wire.routing_id(spec.id), hello_due=now)
                 self._peers[spec.id] = peer
                 if spec.id > self.id:
+                    if auth is not None:  # options are copied at connect (NOTE [Authentication], Rule 2)
+                        security.configure_client(self._sock, auth, spec.id)
+                    self._connects[spec.endpoint] = spec.id
                     self._sock.connect(spec.endpoint)
             self._check_all_up()
 
         self._call_soon(setup)
-        if not self._all_up.wait(timeout):
+        joined = self._all_up.wait(timeout)
+        if self._join_error is not None:
+            raise self._join_error
+        if not joined:
             missing = sorted(p.spec.name for p in list(self._peers.values()) if p.state == "joining")
             raise TransportError(
                 f"worker {self.name!r} could not reach {', '.join(map(repr, missing)) or 'its peers'} "
@@ -192,27 +258,31 @@ class Agent:
 
     # ------------------------------------------------------------------ API (any thread)
     def request(
-        self, dest: int, kind: int, meta: Any, frames: Sequence[Any], timeout: float, on_done: OnDone
+        self, dest: int, kind: int, meta: Any, frames: Sequence[Any], timeout: float, on_done: OnDone,
+        label: str = "",
     ) -> int:
         """Send a request; ``on_done`` runs once, on the I/O thread, with the response or an
-        error. ``timeout`` <= 0 means no deadline (still bounded by peer death)."""
+        error. ``timeout`` <= 0 means no deadline (still bounded by peer death). ``label``
+        names the message for the fault hook (tests)."""
         self._check_usable()
         self._check_size(frames)
         msg_id = next(self._ids)
         out = [self._header(kind, msg_id, meta), *frames]
         deadline = time.monotonic() + timeout if timeout > 0 else None
         pending = _Pending(dest, msg_id, deadline, timeout, on_done)
-        self._enqueue(("req", pending, out))
+        self._enqueue(("req", pending, out, label))
         return msg_id
 
-    def send(self, dest: int, kind: int, meta: Any, frames: Sequence[Any] = (), msg_id: int = 0) -> None:
+    def send(
+        self, dest: int, kind: int, meta: Any, frames: Sequence[Any] = (), msg_id: int = 0, label: str = ""
+    ) -> None:
         """Send a one-way message (or a RESPONSE when kind is wire.RESPONSE)."""
         self._check_usable()
         self._check_size(frames)
-        self._enqueue(("send", dest, [self._header(kind, msg_id, meta), *frames]))
+        self._enqueue(("send", dest, [self._header(kind, msg_id, meta), *frames], label))
 
-    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = ()) -> None:
-        self.send(dest, wire.RESPONSE, meta, frames, msg_id)
+    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
+        self.send(dest, wire.RESPONSE, meta, frames, msg_id, label)
 
     def peer_name(self, peer_id: int) -> str:
         peer = self._peers.get(peer_id)
@@ -295,6 +365,9 @@ class Agent:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._bell, zmq.POLLIN)
+        zap = self._zap.socket if self._zap is not None else None
+        if zap is not None:
+            poller.register(zap, zmq.POLLIN)
         try:
             while not self._stopping:
                 events = dict(poller.poll(self._poll_timeout_ms()))
@@ -307,9 +380,12 @@ class Agent:
                 self._drain_outbox()
                 if self._sock in events:
                     self._recv_all()
+                if zap is not None and zap in events:
+                    self._zap.serve()  # type: ignore[union-attr]
                 if self._monitor in events:
                     self._read_monitor()
                 now = time.monotonic()
+                self._send_delayed(now)
                 self._expire(now)
                 self._check_routes(now)
         except Exception:  # a bug here must not leave callers waiting forever
@@ -322,15 +398,38 @@ class Agent:
         self._fail_everything("the transport was shut down")
         self._monitor.close(0)
         self._sock.close(int(self.options.linger * 1000))
+        if self._zap is not None:  # after the socket: no connection is ever left without it
+            self._zap.close()
         self._ctx.term()
         os.close(self._bell)
         self._closed.set()
 
+    def _send_faulty(self, dest: int, frames: list, label: str) -> None:
+        """Send through the fault hook, when one is installed (NOTE [Fault injection])."""
+        hook = self.fault_hook
+        if hook is None:
+            self._send(dest, frames)
+            return
+        for delay in hook(dest, label):
+            if delay <= 0:
+                self._send(dest, frames)
+            else:
+                heapq.heappush(self._delayed, (time.monotonic() + delay, next(self._ids), dest, frames))
+
+    def _send_delayed(self, now: float) -> None:
+        while self._delayed and self._delayed[0][0] <= now:
+            _, _, dest, frames = heapq.heappop(self._delayed)
+            self._send(dest, frames)
+
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
         wake = self._next_probe
+        if self._delayed:
+            wake = min(wake, self._delayed[0][0])
         if self._deadlines:
             wake = min(wake, self._deadlines[0][0])
+        if now < self._probe_until:
+            wake = min(wake, now + _PROBE_SUSPECT_S)
         for p in self._peers.values():
             if p.state in ("suspect", "joining") or p.backlog:
                 wake = min(wake, now + _PROBE_SUSPECT_S)
@@ -343,7 +442,7 @@ class Agent:
             item = box.popleft()
             op = item[0]
             if op == "send":
-                self._send(item[1], item[2])
+                self._send_faulty(item[1], item[2], item[3])
             elif op == "req":
                 pending, frames = item[1], item[2]
                 peer = self._peers.get(pending.dest)
@@ -352,7 +451,7 @@ class Agent:
                     pending.on_done(None, (), PeerUnavailable(self.peer_name(pending.dest), cause))
                     continue
                 self._register(pending)
-                self._send(pending.dest, frames)
+                self._send_faulty(pending.dest, frames, item[3])
             elif op == "call":
                 item[1]()
             elif op == "stop":
@@ -465,13 +564,78 @@ class Agent:
     def _read_monitor(self) -> None:
         while True:
             try:
-                parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+                ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            self._probe_now = True
+            event = int(ev["event"])
+            if event & security.HANDSHAKE_FAILED:
+                self._on_handshake_failed(ev["endpoint"].decode(errors="replace"), event, int(ev["value"]))
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                pid = self._connects.get(ev["endpoint"].decode(errors="replace"))
+                if pid is not None:
+                    self._connect_failures.pop(pid, None)
+            else:
+                self._probe_now = True
+                self._probe_until = time.monotonic() + self.options.route_grace
+
+    def _on_handshake_failed(self, endpoint: str, event: int, value: int) -> None:
+        """NOTE [Handshake failures]."""
+        self.stats["handshake_failures"] += 1
+        cause = security.describe_failure(event, value)
+        joining = not self._all_up.is_set()
+        pid = self._connects.get(endpoint)
+        peer = self._peers.get(pid) if pid is not None else None
+        if peer is not None:
+            n = self._connect_failures[peer.spec.id] = self._connect_failures.get(peer.spec.id, 0) + 1
+            if joining and peer.state == "joining" and (security.is_terminal(event) or n >= HANDSHAKE_ATTEMPTS):
+                tries = "" if security.is_terminal(event) else f" ({n} attempts)"
+                self._fail_join(
+                    [peer.spec.name],
+                    f"worker {self.name!r} could not authenticate with worker {peer.spec.name!r} at "
+                    f"{endpoint}{tries}: {cause}",
+                )
+            elif not joining and n & (n - 1) == 0:  # 1, 2, 4, 8, ... in a row
+                log.warning("handshake of %r with worker %r failed (%d in a row): %s", self.name, peer.spec.name, n, cause)
+            return
+        if joining:
+            if not self._accept_failed_at:
+                self._accept_failed_at = time.monotonic()
+            if not self._accept_cause or event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._accept_cause = cause  # the most telling one
+            return
+        n = self.stats["handshake_failures"]
+        if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: a flood of strangers does not flood the log
+            log.warning(
+                "worker %r refused a connection on %s: %s (%d refused so far)", self.name, endpoint, cause, n
+            )
+
+    def _check_accept_failures(self, now: float) -> None:
+        """During the join: fail it when peers that should connect to us are still missing
+        ACCEPT_GRACE seconds after an accepted handshake failed (NOTE [Handshake failures])."""
+        since = max(self._accept_failed_at, self._join_started)
+        if not self._join_started or now - since < ACCEPT_GRACE:
+            return
+        missing = [p.spec.name for p in self._peers.values() if p.state == "joining" and p.spec.id < self.id]
+        if not missing:
+            self._accept_failed_at = 0.0
+            return
+        who = ("worker " if len(missing) == 1 else "workers ") + ", ".join(map(repr, missing))
+        self._fail_join(
+            missing,
+            f"worker {self.name!r} could not authenticate with {who}: connections to "
+            f"{', '.join(self.endpoints)} failed the handshake ({self._accept_cause}) and "
+            f"{who} never authenticated within {ACCEPT_GRACE:.1f}s after that",
+        )
+
+    def _fail_join(self, peers: list[str], message: str) -> None:
+        if self._join_error is None:
+            self._join_error = AuthenticationFailed(message, peers)
+            self._all_up.set()
 
     def _check_routes(self, now: float) -> None:
-        regular = now >= self._next_probe or self._probe_now
+        if self._accept_failed_at and not self._all_up.is_set():
+            self._check_accept_failures(now)
+        regular = now >= self._next_probe or self._probe_now or now < self._probe_until
         if regular:
             self._next_probe = now + self.options.heartbeat_interval
             self._probe_now = False

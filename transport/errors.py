@@ -32,3 +32,12 @@ class MessageTooLarge(TransportError):
 
 class AgentClosed(TransportError):
     """The agent was closed (shutdown) or is used from a forked child."""
+
+
+class AuthenticationFailed(TransportError):
+    """Peers failed the CURVE handshake while the mesh formed (a different secret, or a
+    secret on one side only). ``peers`` names the workers concerned."""
+
+    def __init__(self, message: str, peers: list[str]) -> None:
+        super().__init__(message)
+        self.peers = list(peers)
