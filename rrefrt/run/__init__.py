@@ -2,7 +2,7 @@
 
 Standard library only (plus ``rrefrt.store``): the launcher stands apart from the runtime,
 which it never imports; the runtime reads what it needs from the environment contract
-(docs/launcher.md) and from ``rrefrt.run.env``. Importing this package is cheap: the
+(docs/launcher.md) and from ``rrefrt.environment``. Importing this package is cheap: the
 supervisor is loaded only when ``main()`` runs.
 
     rrefrt-run --nproc-per-node 4 train.py --epochs 3
