@@ -307,6 +307,10 @@ class RRefContext:
             self.forks.setdefault(rref_id, {})[fork_id] = creator
             return rec
 
+    def owned_record(self, rref_id: RRefId) -> OwnerRecord | None:
+        with self._lock:
+            return self.owners.get(rref_id) or self.known_owned.get(rref_id)
+
     def set_value(self, rec: OwnerRecord, value: Any = None, error: BaseException | None = None) -> list[Action]:
         with self._lock:
             if rec.state != PENDING:

@@ -23,6 +23,7 @@ import asyncio
 import collections
 import concurrent.futures
 import gc
+import heapq
 import inspect
 import logging
 import os
@@ -69,9 +70,13 @@ from .messages import (
 from .options import RpcBackendOptions, WorkerInfo
 from .pool import WorkerPool
 from .rref import RRef, _invoke_on_owner
-from .rref_context import _NO_VALUE, FAILED, OwnerRecord, RRefContext, creation_site
+from .rref_context import _NO_VALUE, FAILED, PENDING, OwnerRecord, RRefContext, creation_site
 
 log = logging.getLogger("rrefrt")
+
+#: NOTE [Creation acks]: how long a PYTHON_REMOTE's accept waits for the value, so that a
+#: quick creation costs one answer; well below the creator's retry interval
+ACCEPT_DELAY_S = 0.05
 
 
 def translate(err: BaseException, what: str, owner_of: str | None = None) -> BaseException:
@@ -113,6 +118,10 @@ class Runtime:
         self._outgoing_calls = 0  #: calls and fetches sent from here still awaiting an answer
         #: src -> (ids, order): recent PYTHON_CALL ids per peer, to drop duplicates (I/O thread)
         self._seen_calls: dict[int, tuple[set[int], collections.deque]] = {}
+        #: rref id -> (creator, msg_id): PYTHON_REMOTE not yet answered (NOTE [Creation acks]);
+        #: popped by whoever answers first, the finished call or the accept timer
+        self._accepts: dict[RRefId, tuple[int, int]] = {}
+        self._timers: list[tuple[float, RRefId]] = []  #: control thread only: (due, rref id)
         #: fork id -> to_here futures of a not yet confirmed remote(), failed if it is lost
         self._fetches: dict[ForkId, list[Future[Any]]] = {}
         #: NOTE [Retries]: the ack wait per attempt of a control message, and the attempts
@@ -201,8 +210,12 @@ class Runtime:
             if isinstance(err, transport.RequestTimeout):
                 self._control.put(("remote_lost", fid, dest))
 
+        def on_reply(m: Any, fr: Sequence[Any]) -> None:
+            if len(m) > 2 and m[2]:  # accepted and already done: the answer is the REMOTE_RET
+                self._control.put(("remote_done", fid, m[0], fr, dest))
+
         try:
-            self._control_request(dest, PYTHON_REMOTE, meta, frames, on_accept)
+            self._control_request(dest, PYTHON_REMOTE, meta, frames, on_accept, on_reply=on_reply)
         except transport.TransportError as e:
             self._abort_forks(forks)
             self._perform(self.ctx.on_remote_ret(fid, translate(e, "remote()")))
@@ -349,7 +362,8 @@ class Runtime:
                 log.debug("protocol message %r not sent: transport closed", a)
 
     def _control_request(
-        self, dest: int, kind: int, meta: Any, frames: Sequence[Any], on_ack: Callable[[Any], None], attempt: int = 1
+        self, dest: int, kind: int, meta: Any, frames: Sequence[Any], on_ack: Callable[[Any], None], attempt: int = 1,
+        on_reply: Callable[[Any, Sequence[Any]], None] | None = None,
     ) -> None:
         """Send a protocol message and retry it until acknowledged.
 
@@ -363,13 +377,15 @@ class Runtime:
             if isinstance(err, transport.RequestTimeout) and attempt < self.control_attempts and not self.closed:
                 self.agent.stats["control_retries"] += 1
                 try:
-                    self._control_request(dest, kind, meta_out, frames, on_ack, attempt + 1)
+                    self._control_request(dest, kind, meta_out, frames, on_ack, attempt + 1, on_reply)
                     return
                 except transport.TransportError as e:
                     err = e
             if isinstance(err, transport.RequestTimeout):
                 log.error("%s to worker %r was never acknowledged after %d attempts", KIND_NAMES[kind],
                           self.workers_by_id[dest].name, attempt)
+            if err is None and on_reply is not None:
+                on_reply(meta, fr)
             on_ack(err)
 
         meta_out = meta
@@ -410,11 +426,25 @@ class Runtime:
                 rid, fid, tname, forks = meta
                 [ForkData.from_wire(f) for f in forks]  # malformed input changes no state
                 rec = self.ctx.on_remote_request(RRefId.from_wire(rid), ForkId.from_wire(fid), src, str(tname))
-                self._respond(src, msg_id, [OK, []], [], PYTHON_REMOTE)  # accepted
                 if rec is None:
+                    # a duplicate or retry: accept it now, and let the result go as REMOTE_RET
+                    # (the creator may already have this request id answered)
+                    rref_id = RRefId.from_wire(rid)
+                    self._accepts.pop(rref_id, None)
+                    done = self.ctx.owned_record(rref_id)
+                    if done is not None and done.state != PENDING:  # the value exists: say so
+                        failed = done.state == FAILED
+                        frames = ser.dumps_error(done.error, self.info.name) if failed else []
+                        self._respond(src, msg_id, [ERROR if failed else OK, [], 1], frames, PYTHON_REMOTE)
+                    else:
+                        self._respond(src, msg_id, [OK, [], 0], [], PYTHON_REMOTE)  # accepted (again)
                     self.agent.stats["duplicate_calls_dropped"] += 1
                     return
-                msg_id = 0  # the result goes back as REMOTE_RET, not as a response
+                # NOTE [Creation acks]: the accept waits up to ACCEPT_DELAY_S for the value,
+                # so a quick creation is answered once, accept and result together
+                self._accepts[rec.rref_id] = (src, msg_id)
+                self._control.put(("accept_later", time.monotonic() + ACCEPT_DELAY_S, rec.rref_id))
+                msg_id = 0  # the result goes back with the accept or as REMOTE_RET
             rrefs = self._rrefs_from_forks(forks, src)
         except Exception:
             self.agent.stats["bad_frames_dropped"] += 1
@@ -509,8 +539,12 @@ class Runtime:
             self._perform(self.ctx.set_value(rec, value, exc))
             if src == self.info.id:  # remote() to self
                 return
-            meta = [rec.rref_id.to_wire(), OK if exc is None else ERROR]
             frames = [] if exc is None else ser.dumps_error(exc, self.info.name)
+            accept = self._accepts.pop(rec.rref_id, None)
+            if accept is not None:  # not yet accepted: accept and result in one answer
+                self._respond(accept[0], accept[1], [OK if exc is None else ERROR, [], 1], frames, PYTHON_REMOTE)
+                return
+            meta = [rec.rref_id.to_wire(), OK if exc is None else ERROR]
             try:
                 self._control_request(src, REMOTE_RET, meta, frames, _ignore_ack)
             except transport.TransportError:
@@ -545,9 +579,16 @@ class Runtime:
     # ------------------------------------------------------------------ control thread
     def _control_loop(self) -> None:
         q = self._control
+        timers = self._timers
         while not self._control_stop:
+            now = time.monotonic()
+            while timers and timers[0][0] <= now:
+                _, rid = heapq.heappop(timers)
+                accept = self._accepts.pop(rid, None)
+                if accept is not None:  # the value is taking a while: accept now
+                    self._respond(accept[0], accept[1], [OK, [], 0], [], PYTHON_REMOTE)
             try:
-                item = q.get(timeout=0.5)
+                item = q.get(timeout=min(0.5, timers[0][0] - now) if timers else 0.5)
             except queue.Empty:
                 continue
             try:
@@ -592,6 +633,12 @@ class Runtime:
             # acknowledged, or never (retries exhausted: the owner will report the leak), or
             # the owner died: either way this worker is done with the fork
             ctx.on_user_delete_ack(item[1])
+        elif op == "accept_later":
+            heapq.heappush(self._timers, (item[1], item[2]))
+        elif op == "remote_done":
+            _, fid, status, frames, dest = item
+            error = None if status == OK else ser.loads_error(frames, self.workers_by_id[dest].name)
+            self._perform(ctx.on_remote_ret(fid, error))
         elif op == "remote_lost":
             _, fid, dest = item
             error = RRefCreationError(
