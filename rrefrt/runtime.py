@@ -23,7 +23,6 @@ import asyncio
 import collections
 import concurrent.futures
 import gc
-import heapq
 import inspect
 import logging
 import os
@@ -121,7 +120,6 @@ class Runtime:
         #: rref id -> (creator, msg_id): PYTHON_REMOTE not yet answered (NOTE [Creation acks]);
         #: popped by whoever answers first, the finished call or the accept timer
         self._accepts: dict[RRefId, tuple[int, int]] = {}
-        self._timers: list[tuple[float, RRefId]] = []  #: control thread only: (due, rref id)
         #: fork id -> to_here futures of a not yet confirmed remote(), failed if it is lost
         self._fetches: dict[ForkId, list[Future[Any]]] = {}
         #: NOTE [Retries]: the ack wait per attempt of a control message, and the attempts
@@ -443,7 +441,7 @@ class Runtime:
                 # NOTE [Creation acks]: the accept waits up to ACCEPT_DELAY_S for the value,
                 # so a quick creation is answered once, accept and result together
                 self._accepts[rec.rref_id] = (src, msg_id)
-                self._control.put(("accept_later", time.monotonic() + ACCEPT_DELAY_S, rec.rref_id))
+                self.agent.call_later(ACCEPT_DELAY_S, lambda rid=rec.rref_id: self._accept_now(rid))
                 msg_id = 0  # the result goes back with the accept or as REMOTE_RET
             rrefs = self._rrefs_from_forks(forks, src)
         except Exception:
@@ -577,18 +575,17 @@ class Runtime:
             return self._loop
 
     # ------------------------------------------------------------------ control thread
+    def _accept_now(self, rref_id: RRefId) -> None:
+        """I/O thread timer: the value is taking a while, accept its creation now."""
+        accept = self._accepts.pop(rref_id, None)
+        if accept is not None:
+            self._respond(accept[0], accept[1], [OK, [], 0], [], PYTHON_REMOTE)
+
     def _control_loop(self) -> None:
         q = self._control
-        timers = self._timers
         while not self._control_stop:
-            now = time.monotonic()
-            while timers and timers[0][0] <= now:
-                _, rid = heapq.heappop(timers)
-                accept = self._accepts.pop(rid, None)
-                if accept is not None:  # the value is taking a while: accept now
-                    self._respond(accept[0], accept[1], [OK, [], 0], [], PYTHON_REMOTE)
             try:
-                item = q.get(timeout=min(0.5, timers[0][0] - now) if timers else 0.5)
+                item = q.get(timeout=0.5)
             except queue.Empty:
                 continue
             try:
@@ -633,8 +630,6 @@ class Runtime:
             # acknowledged, or never (retries exhausted: the owner will report the leak), or
             # the owner died: either way this worker is done with the fork
             ctx.on_user_delete_ack(item[1])
-        elif op == "accept_later":
-            heapq.heappush(self._timers, (item[1], item[2]))
         elif op == "remote_done":
             _, fid, status, frames, dest = item
             error = None if status == OK else ser.loads_error(frames, self.workers_by_id[dest].name)

@@ -155,6 +155,7 @@ class Agent:
         self._deadlines: list[tuple[float, int, int]] = []  #: heap of (deadline, msg_id, dest)
         #: heap of (due, seq, dest, frames): messages the fault hook delayed
         self._delayed: list[tuple[float, int, int, list]] = []
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []  #: (due, seq, fn): call_later
         #: fault_hook(dest, label) -> delays: [] drops the message, [0] sends it, [0, 0]
         #: duplicates it, [d] delays it by d seconds. Installed by tests only.
         self.fault_hook: Callable[[int, str], list[float]] | None = None
@@ -420,12 +421,25 @@ class Agent:
         while self._delayed and self._delayed[0][0] <= now:
             _, _, dest, frames = heapq.heappop(self._delayed)
             self._send(dest, frames)
+        while self._timers and self._timers[0][0] <= now:
+            _, _, fn = heapq.heappop(self._timers)
+            try:
+                fn()
+            except Exception:
+                log.exception("timer callback failed")
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread after ``delay`` seconds (I/O thread only: from
+        ``on_message`` or a request's ``on_done``). ``fn`` must be quick and non-blocking."""
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._ids), fn))
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
         wake = self._next_probe
         if self._delayed:
             wake = min(wake, self._delayed[0][0])
+        if self._timers:
+            wake = min(wake, self._timers[0][0])
         if self._deadlines:
             wake = min(wake, self._deadlines[0][0])
         if now < self._probe_until:
