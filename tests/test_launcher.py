@@ -198,19 +198,20 @@ def test_launcher_sigkilled_leaves_no_orphans(procs, tmp_path):
           f"(bound 2 s), descendants in {t_all * 1000:.0f} ms (bound 10 s)")
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_to_the_launcher_reach_every_worker(procs, tmp_path, sig):
     extra = ["--on-term"] if sig == signal.SIGTERM else []
-    p = procs.launch(["--nproc-per-node", "3", WORKER, str(tmp_path), "--hold", "60", *extra])
+    # a long grace: on a loaded machine a worker's handler must not lose a race with SIGKILL
+    p = procs.launch(["--nproc-per-node", "3", "--grace-period", "15", WORKER, str(tmp_path), "--hold", "60", *extra])
     recs = wait_ranks(str(tmp_path), range(3), time.monotonic() + 20)
     procs.track([rec["pid"] for rec in recs.values()])
     p.send_signal(sig)
-    rc, out, err = finish(p, 20)
-    assert rc == 128 + sig
+    rc, out, err = finish(p, 25)
+    assert rc == 128 + sig, err
     assert f"received {signal.Signals(sig).name}" in err
     if sig == signal.SIGTERM:
-        assert all((tmp_path / f"term{r}").exists() for r in range(3))
+        assert all((tmp_path / f"term{r}").exists() for r in range(3)), err
     else:  # KeyboardInterrupt in every worker
         assert err.count("KeyboardInterrupt") >= 3
 
