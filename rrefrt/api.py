@@ -82,6 +82,9 @@ def init_rpc(
             auth=transport.CurveAuth.for_job(secret, spec.rank, spec.world_size) if secret is not None else None,
         )
         info = WorkerInfo(name, spec.rank)
+        assigned = os.environ.get("RREFRT_DEVICE", "")
+        if not options.devices and assigned and assigned != "cpu":  # rrefrt-run's assignment
+            options.set_devices([assigned])
         _check_devices(options)
         rt = Runtime(info, options, agent_options, incarnation)
         rdzv: Rendezvous | None = None

@@ -25,16 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def poll_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
+def poll_for(
+    predicate: Callable[[], Any], timeout: float, what: "str | Callable[[], str]" = "", interval: float = 0.02
+) -> Any:
     """Return the first truthy value of ``predicate()`` or raise AssertionError after
-    ``timeout`` seconds. The interval only paces re-checks of a condition."""
+    ``timeout`` seconds, naming ``what``. The interval only paces re-checks of a condition."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+            raise AssertionError(f"not met within {timeout}s: {(what() if callable(what) else what) or predicate}")
         time.sleep(interval)
 
 

@@ -141,3 +141,22 @@ def test_non_graceful_shutdown_returns_at_once(workers):
     rrefrt.shutdown(graceful=False)
     assert time.monotonic() - t0 < 3.0
     assert rrefrt.state.current_or_none() is None
+
+
+def test_launcher_device_assignment_becomes_the_devices_option(monkeypatch):
+    monkeypatch.setenv("RREFRT_DEVICE", "cuda:0")
+    opts = rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only refusal")
+    with pytest.raises(ValueError, match="cuda:0"):
+        rrefrt.init_rpc("w0", rank=0, world_size=1, rpc_backend_options=opts)
+    assert opts.devices == ["cuda:0"]
+    monkeypatch.setenv("RREFRT_DEVICE", "cpu")
+    opts = rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
+    rrefrt.init_rpc("w0", rank=0, world_size=1, rpc_backend_options=opts)
+    try:
+        assert opts.devices == []
+    finally:
+        rrefrt.shutdown()

@@ -28,6 +28,7 @@ import msgpack
 import pytest
 import zmq
 
+from tests.support import poll_for
 from tests.transport_helpers.peer import COUNT, ECHO, IGNORE, SHUFFLE, STALL, EchoBehaviour
 from transport import (
     Agent,
@@ -47,17 +48,6 @@ CHILD_START_S = 15.0  # generous: a loaded 2-core machine starts Python slowly
 
 
 # ---------------------------------------------------------------------------- helpers
-def poll_for(predicate: Callable[[], Any], timeout: float, what: "str | Callable[[], str]" = "") -> Any:
-    """Return the first truthy ``predicate()``; fail after ``timeout`` seconds. The short
-    pause only paces re-checks of a condition; it never stands in for one."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not met within {timeout}s: {(what() if callable(what) else what) or predicate}")
-        time.sleep(0.002)
 
 
 def as_bytes(f: Any) -> bytes:
