@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import rrefrt, torch, zmq, msgpack, pytest, pytest_timeout, pytest_asyncio, hypothesis, importlinter" 2>/dev/null \
+if ! .venv/bin/python -c "import rrefrt, torch, zmq, msgpack, pytest, pytest_timeout, pytest_asyncio, hypothesis, importlinter, pytest_rerunfailures" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.rrefrt-installed ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" numpy
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
