@@ -64,6 +64,8 @@ class Future(concurrent.futures.Future, Generic[T]):
         return out
 
     # -- stdlib contract, with lazy decoding and compensation of blocked pool threads
+    # (result and exception repeat their wait on purpose: a shared helper would put a frame
+    # holding this future into the stored error's traceback - a cycle that keeps RRefs alive)
     def result(self, timeout: float | None = None) -> T:
         try:
             if not self.done():

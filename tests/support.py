@@ -6,15 +6,17 @@ every one of them is killed by pid when its group is torn down.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,3 +98,46 @@ class Workers:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+
+
+@contextlib.contextmanager
+def veth_namespaces(prefix: str, addrs: tuple[str, str]) -> Iterator[list[tuple[str, str]]]:
+    """Two network namespaces joined by a veth pair, ``addrs[i]/24`` on side i; yields
+    [(namespace, veth device)] x 2 and deletes the namespaces afterwards. Skips the test
+    (with the reason) where the tool or the privilege is missing."""
+    import pytest
+
+    if shutil.which("ip") is None:
+        pytest.skip("the 'ip' tool (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("creating network namespaces needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN)")
+    tag = f"{os.getpid() % 100000}"
+    names, veth = (f"{prefix}A{tag}", f"{prefix}B{tag}"), (f"{prefix}a{tag}", f"{prefix}b{tag}")
+    created: list[str] = []
+    try:
+        for ns in names:
+            res = ip("netns", "add", ns)
+            if res.returncode != 0:
+                if "Operation not permitted" in res.stderr or "Permission denied" in res.stderr:
+                    pytest.skip(f"not permitted to create network namespaces: {res.stderr.strip()}")
+                raise RuntimeError(f"ip netns add {ns} failed: {res.stderr.strip()}")
+            created.append(ns)
+        steps = [("link", "add", veth[0], "type", "veth", "peer", "name", veth[1]),
+                 ("link", "set", veth[0], "netns", names[0]), ("link", "set", veth[1], "netns", names[1])]
+        for ns, dev, addr in zip(names, veth, addrs, strict=True):
+            steps += [("-n", ns, "addr", "add", f"{addr}/24", "dev", dev), ("-n", ns, "link", "set", dev, "up"),
+                      ("-n", ns, "link", "set", "lo", "up")]
+        for step in steps:
+            res = ip(*step)
+            if res.returncode != 0:
+                if "Operation not permitted" in res.stderr:
+                    pytest.skip(f"not permitted to set up a veth pair: {res.stderr.strip()}")
+                raise RuntimeError(f"ip {' '.join(step)} failed: {res.stderr.strip()}")
+        yield list(zip(names, veth, strict=True))
+    finally:
+        for ns in created:
+            ip("netns", "del", ns)

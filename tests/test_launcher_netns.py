@@ -9,12 +9,11 @@ The namespaces are deleted in a finally, which also removes the veth pair.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import time
 
 import pytest
 
+from tests.support import veth_namespaces
 from tests.launcher_scripts.harness import (SCRIPTS, WORKER, Procs, finish_all, launcher_env,
                                             read_json)
 
@@ -22,46 +21,11 @@ ADDR = ("10.213.0.1", "10.213.0.2")
 PORT = 29513
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
-
-
 @pytest.fixture
 def two_hosts():
     """Yields the two namespace names; skips where namespaces cannot be made."""
-    if shutil.which("ip") is None:
-        pytest.skip("the 'ip' tool (iproute2) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN)")
-    tag = f"{os.getpid() % 100000}"
-    names = (f"rrA{tag}", f"rrB{tag}")
-    veth = (f"rrva{tag}", f"rrvb{tag}")
-    created: list[str] = []
-    try:
-        for ns in names:
-            res = _ip("netns", "add", ns)
-            if res.returncode != 0:
-                if "Operation not permitted" in res.stderr or "Permission denied" in res.stderr:
-                    pytest.skip(f"not permitted to create network namespaces: {res.stderr.strip()}")
-                raise RuntimeError(f"ip netns add {ns} failed: {res.stderr.strip()}")
-            created.append(ns)
-        steps = [("link", "add", veth[0], "type", "veth", "peer", "name", veth[1]),
-                 ("link", "set", veth[0], "netns", names[0]),
-                 ("link", "set", veth[1], "netns", names[1])]
-        for ns, dev, addr in zip(names, veth, ADDR, strict=True):
-            steps += [("-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
-                      ("-n", ns, "link", "set", dev, "up"),
-                      ("-n", ns, "link", "set", "lo", "up")]
-        for step in steps:
-            res = _ip(*step)
-            if res.returncode != 0:
-                if "Operation not permitted" in res.stderr:
-                    pytest.skip(f"not permitted to set up a veth pair: {res.stderr.strip()}")
-                raise RuntimeError(f"ip {' '.join(step)} failed: {res.stderr.strip()}")
-        yield names
-    finally:
-        for ns in created:
-            _ip("netns", "del", ns)
+    with veth_namespaces("rr", ADDR) as hosts:
+        yield [ns for ns, _ in hosts]
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ import time
 
 import pytest
 
-from tests.support import ROOT, env_for, free_port
+from tests.support import ROOT, env_for, free_port, ip, veth_namespaces
 
 ADDR = ("10.214.0.1", "10.214.0.2")
 HB = {"heartbeat_interval": 0.2, "heartbeat_timeout": 0.6}
@@ -32,43 +31,11 @@ SILENT_BOUND = HB["heartbeat_timeout"] + HB["heartbeat_interval"] + 1.0
 SHUTDOWN_TIMEOUT = 2.0
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
-
-
 @pytest.fixture
 def two_hosts():
     """Yields ((namespace, veth device) x 2); skips where namespaces cannot be made."""
-    if shutil.which("ip") is None:
-        pytest.skip("the 'ip' tool (iproute2) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN)")
-    tag = f"{os.getpid() % 100000}"
-    names, veth = (f"rrpA{tag}", f"rrpB{tag}"), (f"rrpa{tag}", f"rrpb{tag}")
-    created: list[str] = []
-    try:
-        for ns in names:
-            res = _ip("netns", "add", ns)
-            if res.returncode != 0:
-                if "Operation not permitted" in res.stderr or "Permission denied" in res.stderr:
-                    pytest.skip(f"not permitted to create network namespaces: {res.stderr.strip()}")
-                raise RuntimeError(f"ip netns add {ns} failed: {res.stderr.strip()}")
-            created.append(ns)
-        steps = [("link", "add", veth[0], "type", "veth", "peer", "name", veth[1]),
-                 ("link", "set", veth[0], "netns", names[0]), ("link", "set", veth[1], "netns", names[1])]
-        for ns, dev, addr in zip(names, veth, ADDR, strict=True):
-            steps += [("-n", ns, "addr", "add", f"{addr}/24", "dev", dev), ("-n", ns, "link", "set", dev, "up"),
-                      ("-n", ns, "link", "set", "lo", "up")]
-        for step in steps:
-            res = _ip(*step)
-            if res.returncode != 0:
-                if "Operation not permitted" in res.stderr:
-                    pytest.skip(f"not permitted to set up a veth pair: {res.stderr.strip()}")
-                raise RuntimeError(f"ip {' '.join(step)} failed: {res.stderr.strip()}")
-        yield list(zip(names, veth, strict=True))
-    finally:
-        for ns in created:
-            _ip("netns", "del", ns)
+    with veth_namespaces("rrp", ADDR) as hosts:
+        yield hosts
 
 
 class _Proc:
@@ -130,7 +97,7 @@ def test_partition_is_detected_within_the_heartbeat_bound(two_hosts):
         for p in procs:
             p.expect("READY", 30)
         t0 = time.monotonic()
-        res = _ip("-n", ns_a, "link", "set", dev_a, "down")
+        res = ip("-n", ns_a, "link", "set", dev_a, "down")
         assert res.returncode == 0, res.stderr
         results = [json.loads(p.expect("RESULT ", 30)[7:]) for p in procs]
         for p in procs:
