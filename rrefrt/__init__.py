@@ -1,72 +1,90 @@
 """rrefrt: remote calls and remote references (RRefs) for Python and PyTorch.
 
 A drop-in for ``torch.distributed.rpc`` (``import rrefrt as rpc``) that never hangs: every
-wait is bounded and every failure is a typed error naming the worker. Importing rrefrt does
-not import torch; torch is imported when a tensor first crosses.
+wait is bounded and every failure is a typed error naming the worker.
+
+NOTE [Lazy package]: importing ``rrefrt`` (and so any subpackage, the launcher
+``rrefrt.run`` included) loads nothing but this file: the public names below are resolved
+on first use through the module ``__getattr__`` (PEP 562). So ``rrefrt-run`` and
+``import rrefrt.run`` load neither zmq, msgpack, torch nor the runtime
+(tests/test_imports.py checks it), and torch is imported only when a tensor first crosses.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
-
-from . import functions, futures
-from .api import (
-    get_debug_info,
-    get_rpc_timeout,
-    get_worker_info,
-    init_rpc,
-    remote,
-    rpc_async,
-    rpc_sync,
-    shutdown,
-)
-from .errors import (
-    AuthenticationError,
-    OwnerDiedError,
-    RemoteError,
-    RemoteSerializationError,
-    RpcError,
-    RpcTimeoutError,
-    RRefCreationError,
-    RRefLeakError,
-    SerializationError,
-    ShutdownError,
-    WorkerUnavailableError,
-)
-from .futures import Future
-from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
-from .rref import RRef
+from typing import TYPE_CHECKING, Any
 
 logging.getLogger("rrefrt").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "init_rpc",
-    "shutdown",
-    "rpc_sync",
-    "rpc_async",
-    "remote",
-    "get_worker_info",
-    "get_rpc_timeout",
-    "get_debug_info",
-    "RRef",
-    "Future",
-    "WorkerInfo",
-    "RpcBackendOptions",
-    "TensorPipeRpcBackendOptions",
-    "BackendType",
-    "RpcError",
-    "RpcTimeoutError",
-    "WorkerUnavailableError",
-    "OwnerDiedError",
-    "RRefLeakError",
-    "RRefCreationError",
-    "SerializationError",
-    "ShutdownError",
-    "RemoteError",
-    "RemoteSerializationError",
-    "AuthenticationError",
-    "functions",
-    "futures",
-]
+#: public name -> the submodule that defines it (resolved on first attribute access)
+_EXPORTS: dict[str, str] = {
+    "init_rpc": "api",
+    "shutdown": "api",
+    "rpc_sync": "api",
+    "rpc_async": "api",
+    "remote": "api",
+    "get_worker_info": "api",
+    "get_rpc_timeout": "api",
+    "get_debug_info": "api",
+    "RRef": "rref",
+    "Future": "futures",
+    "WorkerInfo": "options",
+    "RpcBackendOptions": "options",
+    "TensorPipeRpcBackendOptions": "options",
+    "BackendType": "options",
+    "RpcError": "errors",
+    "RpcTimeoutError": "errors",
+    "WorkerUnavailableError": "errors",
+    "OwnerDiedError": "errors",
+    "RRefLeakError": "errors",
+    "RRefCreationError": "errors",
+    "SerializationError": "errors",
+    "ShutdownError": "errors",
+    "RemoteError": "errors",
+    "RemoteSerializationError": "errors",
+    "AuthenticationError": "errors",
+}
+#: submodules reachable as attributes (``rrefrt.functions.async_execution``)
+_SUBMODULES = ("functions", "futures")
+
+__all__ = [*_EXPORTS, *_SUBMODULES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'rrefrt' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
+    from . import functions, futures
+    from .api import get_debug_info, get_rpc_timeout, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+    from .errors import (
+        AuthenticationError,
+        OwnerDiedError,
+        RemoteError,
+        RemoteSerializationError,
+        RpcError,
+        RpcTimeoutError,
+        RRefCreationError,
+        RRefLeakError,
+        SerializationError,
+        ShutdownError,
+        WorkerUnavailableError,
+    )
+    from .futures import Future
+    from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
+    from .rref import RRef
