@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Compare rrefrt with torch.distributed.rpc in one run; print rrefrt/torch ratios.
 
-    python bench/bench_rpc.py [--backends torch,rrefrt] [--quick] [--repeat K] [--json PATH] [--timeout S]
+    python bench/bench_rpc.py [--backends ...] [--groups ...] [--quick] [--repeat K] [--json PATH] [--timeout S]
 
-For each backend, starts WORLD_SIZE workers as separate processes (this same
-script in --worker mode), rank 0 runs the workloads in bench/_workloads.py and
-writes JSON, then every worker calls rpc.shutdown(). See bench/README.md.
+For each backend and worker group, starts the group's workers as separate processes (this
+same script in --worker mode, each pinned to its own core), rank 0 runs the workloads in
+bench/_workloads.py, every worker calls rpc.shutdown() and writes JSON. See bench/README.md.
 """
 import argparse
 import json
@@ -22,7 +22,13 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-WORLD_SIZE = 3  # rank 0 caller, rank 1 callee/owner, rank 2 fork receiver (idle otherwise)
+GROUPS = {"main": 3, "life4": 4, "fan8": 8}  # group -> world size (see _workloads.py)
+#: (variant, its baseline): each variant's ratio is taken against that baseline of the same round
+PAIRS = [("rrefrt", "torch"), ("rrefrt-secret", "torch"), ("rrefrt-tcp", "torch-tcp")]
+VARIANT_ENV = {
+    "rrefrt-secret": {"RREFRT_SECRET": "bench-secret"},
+    "rrefrt-tcp": {"RREFRT_SAME_HOST": "0", "RREFRT_NO_IPC": "1"},
+}
 
 
 def free_port():
@@ -45,18 +51,22 @@ def _tail(path, n=20):
     return "\n".join("    " + line for line in lines[-n:])
 
 
-def run_backend(backend, quick, timeout):
+def run_backend(backend, group, quick, timeout):
     """Run one backend's worker group; return (report dict or None, problem str or None)."""
+    world_size = GROUPS[group]
     port = free_port()
-    tmp = Path(tempfile.mkdtemp(prefix=f"bench_{backend}_"))
-    out = tmp / "rank0.json"
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench_{backend}_{group}_"))
+    out = tmp / "report.json"
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    for k in ("RREFRT_SECRET", "RREFRT_SAME_HOST", "RREFRT_NO_IPC"):
+        env.pop(k, None)
+    env.update(VARIANT_ENV.get(backend, {}))
     procs, logs = [], []
-    for rank in range(WORLD_SIZE):
+    for rank in range(world_size):
         log = tmp / f"rank{rank}.log"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", backend, "--rank", str(rank),
-               "--port", str(port), "--out", str(out)] + (["--quick"] if quick else [])
+               "--port", str(port), "--out", str(out), "--group", group] + (["--quick"] if quick else [])
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True))
@@ -84,7 +94,13 @@ def run_backend(backend, quick, timeout):
             tail = _tail(logs[r])
             print(f"--- {backend} rank{r} log ({logs[r]}):\n" + ("    (same as above)" if tail in shown else tail))
             shown.add(tail)
-    report = json.loads(out.read_text()) if out.exists() else None
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world_size) if Path(f"{out}.{r}").exists()]
+    report = None
+    if ranks and ranks[0].get("results") is not None:
+        report = {"results": dict(ranks[0]["results"]), "errors": dict(ranks[0]["errors"])}
+        if group == "life4" and len(ranks) == world_size:
+            init, down = max(r["init_s"] for r in ranks), max(r["shutdown_s"] for r in ranks)
+            report["results"].update(init4_s=init, shutdown4_s=down, life4_s=init + down)
     if not problem:
         shutil.rmtree(tmp, ignore_errors=True)  # logs are kept only when something went wrong
     return report, problem
@@ -96,87 +112,105 @@ def fmt(v):
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
-def print_table(reports, metrics):
-    t, r = reports.get("torch"), reports.get("rrefrt")
+def paired_ratios(runs, variant, base, key):
+    """Per round, variant / base of the same round (rounds are interleaved, so drifting load
+    hits both alike): the median of those ratios and their spread."""
+    rs = []
+    for a, b in zip(runs.get(variant, []), runs.get(base, [])):
+        va, vb = (a or {}).get("results", {}).get(key), (b or {}).get("results", {}).get(key)
+        if va and vb:
+            rs.append(va / vb)
+    if not rs:
+        return None
+    return statistics.median(rs), min(rs), max(rs), len(rs)
+
+
+def print_table(runs, metrics, backends):
+    medians = {}
+    for b in backends:
+        reps = [r for r in runs.get(b, []) if r]
+        medians[b] = {k: statistics.median(vals) for k in {k for r in reps for k in r["results"]}
+                      if (vals := [r["results"][k] for r in reps if k in r["results"]])}
+    pairs = [(v, b) for v, b in PAIRS if v in backends and b in backends]
+    head = ["metric", *backends, *[f"{v}/{b} (spread)" for v, b in pairs], ""]
     rows, ratios = [], {}
-    for key, label, unit, better in metrics:
-        tv, rv = (rep and rep["results"].get(key) for rep in (t, r))
-        ratio = rv / tv if tv and rv else None
-        if ratio is not None:
-            ratios[key] = ratio
-        if ratio is None:
-            verdict = ""
-        elif 0.9 <= ratio <= 1.1:
-            verdict = "about equal"  # within 10%: below run-to-run noise on a small machine
-        else:
-            verdict = "rrefrt better" if (ratio < 1) == (better == "lower") else "torch better"
-        rows.append([f"{label} [{unit}]", fmt(tv), fmt(rv),
-                     "-" if ratio is None else f"{ratio:.2f}x", f"{better} is better", verdict])
-    head = ["metric", "torch", "rrefrt", "rrefrt/torch", "", ""]
+    for key, label, unit, better, _group in metrics:
+        row = [f"{label} [{unit}]", *[fmt(medians[b].get(key)) for b in backends]]
+        for v, b in pairs:
+            pr = paired_ratios(runs, v, b, key)
+            if pr is None:
+                row.append("-")
+                continue
+            ratios[f"{v}/{b}:{key}"] = pr[0]
+            row.append(f"{pr[0]:.2f}x ({pr[1]:.2f}-{pr[2]:.2f})" if pr[3] > 1 else f"{pr[0]:.2f}x")
+        row.append(f"{better} is better")
+        rows.append(row)
     widths = [max(len(x[i]) for x in rows + [head]) for i in range(len(head))]
     for row in [head] + rows:
-        print("  ".join(c.rjust(w) if 0 < i < 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-    return ratios
+        print("  ".join(c.rjust(w) if 0 < i < len(head) - 1 else c.ljust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    return medians, ratios
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default="torch,rrefrt")
+    ap.add_argument("--backends", default=None,
+                    help="comma list of torch, torch-tcp, rrefrt, rrefrt-secret, rrefrt-tcp "
+                         "(default: all five; --quick: torch,rrefrt)")
+    ap.add_argument("--groups", default=None, help="comma list of main, life4, fan8 (default: all; --quick: main)")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
     ap.add_argument("--json", metavar="PATH", help="save all results and ratios here")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds per backend (interleaved); medians are reported")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per backend group")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds (backends interleaved); paired medians are reported")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per worker group")
     ap.add_argument("--worker", metavar="BACKEND", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--group", default="main", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     import _workloads  # bench/ is sys.path[0]: this file's directory
     if args.worker:
-        _workloads.worker_main(args.worker, args.rank, WORLD_SIZE, args.port, args.out, args.quick)
+        _workloads.worker_main(args.worker, args.rank, GROUPS[args.group], args.port, args.out, args.quick,
+                               args.group)
         return 0
 
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    default_backends = "torch,rrefrt" if args.quick else "torch,rrefrt,rrefrt-secret,torch-tcp,rrefrt-tcp"
+    backends = [b.strip() for b in (args.backends or default_backends).split(",") if b.strip()]
+    groups = [g.strip() for g in (args.groups or ("main" if args.quick else "main,life4,fan8")).split(",")]
     print(f"cpus={os.cpu_count()} loadavg={os.getloadavg()[0]:.2f} repeat={args.repeat}"
-          f"{' quick' if args.quick else ''}", flush=True)
-    runs, problems = {b: [] for b in backends}, {}
+          f"{' quick' if args.quick else ''} groups={','.join(groups)}", flush=True)
+    runs = {b: [] for b in backends}  # backend -> one merged report per round (None if it failed)
+    problems = {}
     for rnd in range(args.repeat):  # backends interleaved, so drifting machine load hits both
         for backend in backends:
-            print(f"== {backend} (round {rnd + 1}/{args.repeat}): {WORLD_SIZE} workers ...", flush=True)
-            t0 = time.monotonic()
-            report, problem = run_backend(backend, args.quick, args.timeout)
-            if problem:
-                problems.setdefault(backend, []).append(problem)
-                print(f"!! {backend} FAILED: {problem}" + (" (results were written before it)" if report else ""))
-            if report:
-                runs[backend].append(report)
-                for name, err in report["errors"].items():
-                    print(f"!! {backend} {name} failed: {err}")
-            print(f"   {backend} done in {time.monotonic() - t0:.1f}s", flush=True)
+            merged = {"results": {}, "errors": {}}
+            for group in groups:
+                print(f"== {backend} {group} (round {rnd + 1}/{args.repeat}): {GROUPS[group]} workers ...", flush=True)
+                t0 = time.monotonic()
+                report, problem = run_backend(backend, group, args.quick, args.timeout)
+                if problem:
+                    problems.setdefault(backend, []).append(f"{group}: {problem}")
+                    print(f"!! {backend} {group} FAILED: {problem}")
+                if report:
+                    merged["results"].update(report["results"])
+                    merged["errors"].update(report["errors"])
+                    for name, err in report["errors"].items():
+                        print(f"!! {backend} {name} failed: {err}")
+                print(f"   {backend} {group} done in {time.monotonic() - t0:.1f}s", flush=True)
+            runs[backend].append(merged)
 
-    # per metric: median over the rounds that produced it
-    reports = {}
-    for backend, reps in runs.items():
-        if reps:
-            keys = {k for rep in reps for k in rep["results"]}
-            reports[backend] = {"results": {k: statistics.median(rep["results"][k] for rep in reps
-                                                                 if k in rep["results"]) for k in keys},
-                                "errors": {k: v for rep in reps for k, v in rep["errors"].items()}}
-
-    ratios = {}
-    if reports:
-        print()
-        ratios = print_table(reports, _workloads.METRICS)
-    if "torch" in reports and "rrefrt" in reports:
-        print("\nratio = rrefrt / torch, same machine, same run. Latency rows: < 1 means rrefrt is faster;"
-              " throughput rows: > 1 means rrefrt is faster.")
+    print()
+    metrics = [m for m in _workloads.METRICS if m[4] in groups]
+    medians, ratios = print_table(runs, metrics, backends)
+    print("\nratio = variant / baseline, paired per round (median, spread over rounds). Latency, CPU and"
+          " time rows: < 1 means rrefrt is better; throughput rows: > 1 means rrefrt is better.")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"medians": reports, "runs": runs, "problems": problems, "ratios": ratios,
-             "cpus": os.cpu_count(), "quick": args.quick}, indent=2))
+            {"medians": medians, "runs": runs, "problems": problems, "ratios": ratios,
+             "cpus": os.cpu_count(), "quick": args.quick, "groups": groups}, indent=2))
         print(f"saved {args.json}")
-    return 1 if problems or any(r["errors"] for r in reports.values()) else 0
+    return 1 if problems or any(r and r["errors"] for rs in runs.values() for r in rs) else 0
 
 
 if __name__ == "__main__":
