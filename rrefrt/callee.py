@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import transport
 
 from . import serialization as ser
+from . import state
 from .errors import RemoteSerializationError, SerializationError, ShutdownError
 from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
 from .rref_context import FAILED, OwnerRecord
@@ -139,7 +140,7 @@ class Callee:
         with self._loop_lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                t = threading.Thread(target=loop.run_forever, name=f"rrefrt-{self.rt.info.name}-asyncio", daemon=True)
+                t = threading.Thread(target=_run_loop, args=(self.rt, loop), name=f"rrefrt-{self.rt.info.name}-asyncio", daemon=True)
                 t.start()
                 self._loop, self._loop_thread = loop, t
             return self._loop
@@ -196,6 +197,11 @@ class Callee:
             rt.transport.respond(dest, msg_id, [ERROR, []], err)
         except transport.AgentClosed:
             log.debug("response to worker %d dropped: transport closed", dest)
+
+
+def _run_loop(rt: Any, loop: asyncio.AbstractEventLoop) -> None:
+    with state.bound(rt):
+        loop.run_forever()
 
 
 def _settle(f: concurrent.futures.Future, done: Done) -> None:

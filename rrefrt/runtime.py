@@ -55,6 +55,7 @@ from .messages import (
     decode,
 )
 from .options import RpcBackendOptions, WorkerInfo
+from . import state
 from .pool import WorkerPool
 from .rref import RRef
 from .rref_context import OwnerRecord, RRefContext
@@ -63,6 +64,22 @@ __all__ = ["Runtime", "translate", "ACCEPT_DELAY_S"]
 
 #: make_transport(on_message, on_peer_dead) -> a transport.base.Transport (not started)
 MakeTransport = Callable[[Callable[..., None], Callable[[int, str], None]], Any]
+
+
+class BoundPool(WorkerPool):
+    """A pool whose tasks run bound to their runtime (NOTE [Runtime binding] in state.py)."""
+
+    def __init__(self, rt: Any, name: str, num_threads: int) -> None:
+        super().__init__(name, num_threads)
+        self._rt = rt
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        super().submit(_run_bound, self._rt, fn, args)
+
+
+def _run_bound(rt: Any, fn: Callable[..., Any], args: tuple) -> None:
+    with state.bound(rt):
+        fn(*args)
 
 
 class Runtime:
@@ -83,8 +100,8 @@ class Runtime:
         self.options = options
         self.pid = os.getpid()
         self.ctx = RRefContext(info.id, IdGenerator(info.id))
-        self.pool = WorkerPool(f"rrefrt-{info.name}-worker", options.num_worker_threads)
-        self.callbacks = WorkerPool(f"rrefrt-{info.name}-callback", 4)
+        self.pool = BoundPool(self, f"rrefrt-{info.name}-worker", options.num_worker_threads)
+        self.callbacks = BoundPool(self, f"rrefrt-{info.name}-callback", 4)
         self.workers_by_id: dict[int, WorkerInfo] = {info.id: info}
         self.workers_by_name: dict[str, WorkerInfo] = {info.name: info}
         #: the runtime's own counters (bad_frames_dropped, duplicate_calls_dropped,
