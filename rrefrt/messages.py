@@ -13,16 +13,16 @@ plain msgpack (never pickled). Payload frames - present only where the table say
 pickle-5 stream followed by its out-of-band buffers (tensor storage), decoded only after the
 header passed validation (``decode``), which is the only place meta is parsed.
 
-    class         NAME (label)       KIND  sender -> receiver    meta (request)                   payload
-    PythonCall    PYTHON_CALL        16    caller -> callee      [forks]                          (func, args, kwargs)
-    RemoteRequest PYTHON_REMOTE     17    caller -> owner       [rref_id, fork_id, type, forks]  (func, args, kwargs)
-                  retried until acknowledged, deduplicated by fork id on the owner, so the
-                  function runs once; see NOTE [Creation acks] in rrefrt/creation.py
-    Fetch         RREF_FETCH         18    user   -> owner       [rref_id, fork_id]               -
-    ForkRequest   RREF_FORK_REQUEST  19    child  -> owner       [rref_id, fork_id, parent]       -
-    ChildAccept   RREF_CHILD_ACCEPT  20    child/owner -> parent [fork_id]                        -
-    UserDelete    RREF_USER_DELETE   21    user   -> owner       [rref_id, fork_id]               -
-    RemoteRet     REMOTE_RET         22    owner  -> caller      [rref_id, status]                error if status ERROR
+    class          NAME (label)       KIND  sender -> receiver     meta (request)                   payload
+    PythonCall     PYTHON_CALL        16    caller -> callee       [forks]                          (func, args, kwargs)
+    RemoteRequest  PYTHON_REMOTE      17    caller -> owner        [rref_id, fork_id, type, forks]  (func, args, kwargs)
+                   retried until answered, deduplicated by fork id on the owner, so the
+                   function runs once; see NOTE [Creation acks] in rrefrt/creation.py
+    Fetch          RREF_FETCH         18    user   -> owner        [rref_id, fork_id]               -
+    ForkRequest    RREF_FORK_REQUEST  19    child  -> owner        [rref_id, fork_id, parent]       -
+    ChildAccept    RREF_CHILD_ACCEPT  20    child/owner -> parent  [fork_id]                        -
+    UserDelete     RREF_USER_DELETE   21    user   -> owner        [rref_id, fork_id]               -
+    RemoteRet      REMOTE_RET         22    owner  -> caller       [rref_id, status]                error if status ERROR
 
     response meta: [status, forks] or, answering PYTHON_REMOTE, [status, forks, done]
         status   OK=0 / ERROR=1; the payload is the value, or the pickled error
