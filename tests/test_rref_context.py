@@ -862,3 +862,73 @@ def test_validate_catches_corrupted_state() -> None:
     a.pending_children[ForkId(0, 500)] = (urec, 2)
     with pytest.raises(AssertionError, match="parent fork"):
         a.validate()
+
+
+# ---------------------------------------------------------------- G3: forks in flight and deaths (issue 11, 5)
+def test_no_fork_is_registered_for_a_dead_worker() -> None:
+    """A fork sent to a worker already declared dead would never be dropped: refused."""
+    from rrefrt.errors import WorkerUnavailableError
+
+    a, b = new_ctx(0), new_ctx(1)
+    urec, orec = _make_confirmed_user(a, b)
+    b.on_fork_request(urec.rref_id, ForkId(9, 9), 2)  # a third worker's fork keeps it alive
+    for c in (a, b):
+        assert c.on_peer_dead(2) or True
+    before = b.counts()
+    with pytest.raises(WorkerUnavailableError, match="worker 2"):
+        b.fork_owned(orec, 2)
+    with pytest.raises(WorkerUnavailableError, match="worker 2"):
+        a.fork_user(urec, 2)
+    assert b.counts() == before and a.counts()["num_pending_children"] == 0
+    _validate(a, b)
+
+
+def test_late_messages_of_a_dead_worker_register_nothing() -> None:
+    b = new_ctx(1)
+    rid = RRefId(1, 77)
+    owned = b.new_local_owner("v", "str")
+    b.on_peer_dead(2)
+    b.on_fork_request(owned.rref_id, ForkId(2, 5), 2)
+    assert b.forks == {} and b.owners == {}
+    assert b.on_remote_request(RRefId(2, 8), RRefId(2, 8), 2, "t") is None  # never runs
+    assert b.owners == {} and b.leaks() == [] and rid not in b.owners
+    _validate(b)
+
+
+def test_fork_passed_on_by_a_dying_holder_does_not_pin_an_empty_placeholder() -> None:
+    """A (user of B's value) passes its fork to C and dies. B drops A's fork and frees the
+    value; C's fork request then arrives. Before: B re-created an empty placeholder that
+    nothing ever freed (a value "pinned" after a kill) and C's to_here waited for its
+    timeout. Now nothing is registered and the fetch fails at once."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    urec, orec = _make_confirmed_user(a, b)
+    rid = urec.rref_id
+    data = a.fork_user(urec, 2)
+    actions = b.on_peer_dead(0)
+    assert [type(x) for x in actions] == [Release] and rid not in b.owners
+    del actions, orec
+    gc.collect()
+    crec, c_actions = c.on_fork_received(data, 0)
+    assert c_actions == [ForkRequest(1, rid, data.fork_id, 0)]
+    b.on_fork_request(rid, data.fork_id, 2)
+    assert b.owners == {} and b.forks == {}
+    sf = b.on_fetch(rid, 2, 11)
+    assert sf is not None and sf.record.state == FAILED and "no longer exists" in str(sf.record.error)
+    assert b.owners == {}
+    assert b.on_user_delete(rid, data.fork_id) == []  # C lets go later: nothing to do
+    assert b.counts() == ZERO_COUNTS and b.leaks() == []
+    _validate(a, b, c)
+
+
+def test_placeholder_of_a_dead_creator_fails_its_fetches_and_goes() -> None:
+    b = new_ctx(1)
+    rid = RRefId(0, 5)  # created by worker 0, whose PYTHON_REMOTE never arrived
+    assert b.on_fetch(rid, 2, 7) is None  # a placeholder remembers the fetch
+    b.on_fork_request(rid, ForkId(2, 1), 2)
+    actions = b.on_peer_dead(0)
+    assert len(actions) == 1 and isinstance(actions[0], ServeFetch) and actions[0].record.state == FAILED
+    assert "creator (worker 0) died" in str(actions[0].record.error)
+    _validate(b)
+    assert [type(x) for x in b.on_user_delete(rid, ForkId(2, 1))] == [Release]
+    assert b.counts() == ZERO_COUNTS and b.leaks() == []
+    _validate(b)
