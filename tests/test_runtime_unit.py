@@ -296,3 +296,36 @@ def test_fork_request_is_acked_and_registered(group: Group) -> None:
     group.rts[2].transport.request(1, d.KIND, d.meta(), [], 5.0, lambda m, f, e: acked.append((m, e)), d.NAME)
     poll_for(lambda: len(acked) == 2, 5)
     assert rid not in w1.ctx.forks and fid in w1.ctx.deleted_forks
+
+
+# ------------------------------------------------------------------ the inproc transport itself
+def test_inproc_transport_is_a_transport_and_calls_back_on_the_hub_thread() -> None:
+    from transport import base
+
+    hub = InprocHub()
+    try:
+        seen: list[tuple[str, Any]] = []
+        a = base.create(base.TransportConfig(0, "a", 0, kind="inproc", extra={"hub": hub}),
+                        lambda *m: None, lambda p, c: seen.append(("dead", p)))
+        b = hub.transport(1, "b", lambda src, kind, mid, meta, frames: (
+            seen.append(("msg", (threading.current_thread().name, meta, frames))), b.respond(src, mid, ["ok"])),
+            lambda p, c: None)
+        assert isinstance(a, base.Transport) and isinstance(b, base.Transport)
+        a.connect_peers([PeerSpec(1, "b", 0, PeerAddress("inproc"))], 1.0)
+        done: list[Any] = []
+        a.request(1, 16, (1, (2, 3)), [memoryview(b"xy")], 5.0, lambda m, f, e: done.append((m, f, e)), "PYTHON_CALL")
+        poll_for(lambda: done, 5)
+        assert done == [(["ok"], [], None)]
+        name, meta, frames = seen[0][1]
+        assert "hub" in name and meta == [1, [2, 3]] and frames == [b"xy"]  # msgpack-like copies
+        a.fault_hook = lambda dest, label: []  # drop everything
+        a.request(1, 16, [], [], 0.2, lambda m, f, e: done.append(e), "PYTHON_CALL")
+        poll_for(lambda: len(done) == 2, 5)
+        assert "no response" in str(done[1])
+        a.fault_hook = None
+        a.request(1, 16, [], [], 0, lambda m, f, e: done.append(e), "PYTHON_CALL")  # no deadline
+        hub.kill(1)
+        poll_for(lambda: ("dead", 1) in seen, 5)
+        assert a.dead_peers() == {1} and not a.is_alive(1)
+    finally:
+        hub.close()
