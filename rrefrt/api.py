@@ -39,8 +39,9 @@ __all__ = [
     "get_debug_info",
 ]
 
+#: serializes init_rpc and shutdown of this process (the current runtime's rendezvous lives
+#: on the runtime itself, ``rt.group``: no other module state)
 _init_lock = threading.Lock()
-_group: dict[str, Any] = {}  # rendezvous of the current runtime (lives with it)
 
 
 def _after_fork_in_child() -> None:
@@ -135,8 +136,7 @@ def init_rpc(
             if rdzv is not None:
                 rdzv.close(failed=True)
             raise
-        _group.clear()
-        _group.update(rdzv=rdzv, world_size=spec.world_size)
+        rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
         log.info("worker %r (rank %d of %d) joined the group", name, spec.rank, spec.world_size)
 
@@ -225,8 +225,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     with _init_lock:
         if state.current_or_none() is not rt:
             return
-        rdzv: Rendezvous = _group["rdzv"]
-        world_size: int = _group["world_size"]
+        rdzv: Rendezvous
+        rdzv, world_size = rt.group
         error: BaseException | None = None
         try:
             if graceful:
@@ -237,6 +237,5 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             serialization.set_unpickle_allowlist(None)
             rt.close()
             rdzv.close()
-            _group.clear()
         if error is not None:
             raise error

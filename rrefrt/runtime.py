@@ -112,6 +112,8 @@ class Runtime:
         self.control_attempts = 15
         self.accepting = True
         self.closed = False
+        #: (rendezvous, world_size) of the group, set by init_rpc (None in unit tests)
+        self.group: Any = None
         self.lifecycle = Lifecycle(self)
         self.control = ControlLoop(self)
         self.creation = CreationTracker(self)
