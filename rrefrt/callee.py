@@ -18,6 +18,7 @@ import concurrent.futures
 import inspect
 import logging
 import threading
+import traceback
 from typing import Any, Callable, Sequence
 
 import transport
@@ -153,6 +154,13 @@ class Callee:
 
     # ------------------------------------------------------------------ replies
     def finish(self, src: int, msg: Any, msg_id: int, rec: OwnerRecord | None, value: Any, exc: BaseException | None) -> None:
+        try:
+            self._finish(src, msg, msg_id, rec, value, exc)
+        finally:
+            if exc is not None:
+                release_frames(exc)
+
+    def _finish(self, src: int, msg: Any, msg_id: int, rec: OwnerRecord | None, value: Any, exc: BaseException | None) -> None:
         rt = self.rt
         if isinstance(msg, RemoteRequest):
             assert rec is not None
@@ -197,6 +205,22 @@ class Callee:
             rt.transport.respond(dest, msg_id, [ERROR, []], err)
         except transport.AgentClosed:
             log.debug("response to worker %d dropped: transport closed", dest)
+
+
+def release_frames(exc: BaseException) -> None:
+    """NOTE [Error frames]: once a user function's error is answered (and, for remote(),
+    stored), the locals of its finished frames are cleared. A traceback usually sits in a
+    reference cycle (a future holds the error, the error's traceback holds the frame of the
+    future's ``result``), so without this the RRef arguments in those frames stay alive
+    until the garbage collector happens to run - on an idle worker, never - and pin their
+    values on the owner (the leaks after a kill: every call to the dead worker failed).
+    The traceback text was formatted before; line numbers survive the clearing."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
 
 
 def _run_loop(rt: Any, loop: asyncio.AbstractEventLoop) -> None:

@@ -98,6 +98,14 @@ def record(x: int) -> None:
     CALLS.append(x)
 
 
+def fail_holding(rref: Any) -> None:
+    """Raises with the RRef argument in a frame that is part of a reference cycle (the
+    error's traceback holds this frame, whose locals hold the error)."""
+    err = ValueError("failed holding an RRef")
+    holder = [err, rref]
+    raise holder[0]
+
+
 def boom() -> None:
     raise ValueError("boom from the callee")
 
@@ -193,6 +201,24 @@ def test_peer_death_fails_calls_and_rrefs(group: Group) -> None:
         assert rrefrt.rpc_sync("w1", add, args=(2, 2)) == 4  # the others go on
     release.set()
     assert w0.debug_info()["agent.dead_peers"] == 1
+
+
+def test_an_error_does_not_pin_the_rrefs_in_its_frames(group: Group) -> None:
+    """NOTE [Error frames]: the callee clears the frames of a user function's error once it
+    is answered. Before, the RRef argument stayed alive in a reference cycle until the
+    garbage collector ran (on an idle worker: never), pinning the value on its owner."""
+    w0 = group.rts[0]
+    gc.disable()  # the workers share this process: no collection may hide the cycle
+    try:
+        with group.as_worker(0):
+            rref = rrefrt.RRef(Box(1))
+            with pytest.raises(ValueError, match="failed holding"):
+                rrefrt.rpc_sync("w1", fail_holding, args=(rref,))
+            del rref
+        poll_for(lambda: w0.ctx.counts()["num_forks"] == 0, 5,
+                 lambda: f"the fork held by w1 was never deleted: {w0.ctx.counts()}")
+    finally:
+        gc.enable()
 
 
 # ------------------------------------------------------------------ malformed input
