@@ -18,10 +18,11 @@ from typing import Any, Callable
 import transport
 
 from . import serialization, state
-from .errors import AuthenticationError, RpcError, RRefLeakError, ShutdownError
+from .errors import AuthenticationError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
 from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, host_id, resolve
+from .lifecycle import shutdown_graceful
 from .rref import RRef
 from .runtime import Runtime
 
@@ -38,8 +39,9 @@ __all__ = [
     "get_debug_info",
 ]
 
+#: serializes init_rpc and shutdown of this process (the current runtime's rendezvous lives
+#: on the runtime itself, ``rt.group``: no other module state)
 _init_lock = threading.Lock()
-_group: dict[str, Any] = {}  # rendezvous of the current runtime (lives with it)
 
 
 def _after_fork_in_child() -> None:
@@ -86,7 +88,14 @@ def init_rpc(
         if not options.devices and assigned and assigned != "cpu":  # rrefrt-run's assignment
             options.set_devices([assigned])
         _check_devices(options)
-        rt = Runtime(info, options, agent_options, incarnation)
+        # the transport is built here, from the runtime's callbacks (the lead's next step:
+        # transport.create(config, ...) and listen(), which choose the endpoints)
+        rt = Runtime(
+            info, options,
+            lambda on_message, on_peer_dead: transport.Agent(
+                info.id, info.name, incarnation, on_message, on_peer_dead, agent_options
+            ),
+        )
         rdzv: Rendezvous | None = None
         try:
             host = bind_host(spec.master_addr)
@@ -94,11 +103,11 @@ def init_rpc(
                 warn_unauthenticated(host)
             # before the agent starts: a peer may call us as soon as the mesh forms
             serialization.set_unpickle_allowlist(options.unpickle_allowlist)
-            tcp = rt.agent.bind(f"tcp://{host}:0")
+            tcp = rt.transport.bind(f"tcp://{host}:0")
             ipc = ""
             if os.environ.get("RREFRT_NO_IPC") != "1":
-                ipc = rt.agent.bind(f"ipc:///tmp/rrefrt-{os.getpid()}-{secrets.token_hex(6)}.sock")
-            rt.agent.start()
+                ipc = rt.transport.bind(f"ipc:///tmp/rrefrt-{os.getpid()}-{secrets.token_hex(6)}.sock")
+            rt.transport.start()
             rdzv = Rendezvous(spec, options.init_timeout)
             me = Record(name, spec.rank, spec.world_size, incarnation, tcp, ipc, host_id())
             records = rdzv.join(me, deadline)
@@ -111,7 +120,7 @@ def init_rpc(
                 for r in records
             ]
             try:
-                rt.agent.connect_peers(peers, max(0.1, deadline - time.monotonic()))
+                rt.transport.connect_peers(peers, max(0.1, deadline - time.monotonic()))
             except transport.AuthenticationFailed as e:
                 raise AuthenticationError(
                     f"{e}. Every worker of a job must use the same secret (RREFRT_SECRET or "
@@ -127,8 +136,7 @@ def init_rpc(
             if rdzv is not None:
                 rdzv.close(failed=True)
             raise
-        _group.clear()
-        _group.update(rdzv=rdzv, world_size=spec.world_size)
+        rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
         log.info("worker %r (rank %d of %d) joined the group", name, spec.rank, spec.world_size)
 
@@ -206,7 +214,7 @@ def get_debug_info() -> dict[str, Any]:
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the group. Graceful: finish in-flight calls, delete this worker's RRef users,
     wait for owners to drain, meet everyone at a barrier, check for leaks - all bounded by
-    ``timeout`` (0: the options' shutdown_timeout). Raises ShutdownError naming workers
+    ``timeout`` (0: the options' shutdown_timeout); the steps are rrefrt/lifecycle.py's. Raises ShutdownError naming workers
     that never arrived, RRefLeakError for leaks in strict mode; the runtime is closed
     either way."""
     rt = state.current_or_none()
@@ -217,105 +225,17 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     with _init_lock:
         if state.current_or_none() is not rt:
             return
-        rdzv: Rendezvous = _group["rdzv"]
-        world_size: int = _group["world_size"]
+        rdzv: Rendezvous
+        rdzv, world_size = rt.group
         error: BaseException | None = None
         try:
             if graceful:
                 limit = timeout if timeout and timeout > 0 else rt.options.shutdown_timeout
-                error = _bounded_graceful(rt, rdzv, world_size, limit)
+                error = shutdown_graceful(rt, rdzv, world_size, limit)
         finally:
             state.set_current(None)
             serialization.set_unpickle_allowlist(None)
             rt.close()
             rdzv.close()
-            _group.clear()
         if error is not None:
             raise error
-
-
-#: how long past its deadline a graceful shutdown may run before it is abandoned
-_SHUTDOWN_GRACE = 1.0
-
-
-def _bounded_graceful(rt: Runtime, rdzv: Rendezvous, world_size: int, limit: float) -> BaseException | None:
-    """NOTE [Bounded shutdown]: every step of ``_graceful`` has the deadline, but a store
-    request can still block in its socket beyond it (a stopped or partitioned store host
-    accepts the bytes and never answers; the store client's own I/O timeout is 10 s). So the
-    steps run on a daemon thread and the caller waits for the deadline plus
-    ``_SHUTDOWN_GRACE`` at most; past that it gets a ShutdownError and the runtime is closed
-    anyway (the abandoned thread cannot keep the process alive)."""
-    deadline = time.monotonic() + limit
-    box: list[BaseException | None] = []
-    phase = ["start"]
-    t = threading.Thread(
-        target=lambda: box.append(_graceful(rt, rdzv, world_size, deadline, phase)),
-        name=f"rrefrt-{rt.info.name}-shutdown",
-        daemon=True,
-    )
-    t.start()
-    t.join(max(0.0, deadline - time.monotonic()) + _SHUTDOWN_GRACE)
-    if box:
-        return box[0]
-    rt.accepting = False
-    spec = rdzv.spec
-    host = rt.workers_by_id.get(0)
-    return ShutdownError(
-        f"shutdown of {rt.info.name!r} did not complete within {limit:.1f}s (+{_SHUTDOWN_GRACE:.0f}s): stuck in "
-        f"phase {phase[0]!r}; the rendezvous store at {spec.master_addr}:{spec.master_port} "
-        f"(hosted by {repr(host.name) if host else 'rank 0'} or the launcher) did not answer - its host may be "
-        "stopped or unreachable. The runtime was closed anyway."
-    )
-
-
-def _graceful(
-    rt: Runtime, rdzv: Rendezvous, world_size: int, deadline: float, phase: list[str] | None = None
-) -> BaseException | None:
-    me = rt.info.id
-    phase = phase if phase is not None else [""]
-
-    def names(ranks: list[int]) -> str:
-        return ", ".join(repr(rt.workers_by_id[r].name) if r in rt.workers_by_id else f"rank {r}" for r in ranks)
-
-    try:
-        error: BaseException | None = None
-        phase[0] = "enter barrier"
-        missing = rdzv.barrier("enter", me, world_size, deadline, rt.agent.dead_peers())
-        if missing:
-            rt.accepting = False
-            return ShutdownError(
-                f"shutdown of {rt.info.name!r}: worker(s) {names(missing)} never reached shutdown within the timeout"
-            )
-        phase[0] = "waiting for calls in flight"
-        busy = not rt.wait_idle(deadline)
-        phase[0] = "releasing RRefs"
-        sites = rt.release_rrefs(deadline)
-        phase[0] = "drained barrier"
-        missing = rdzv.barrier("drained", me, world_size, deadline, rt.agent.dead_peers())
-        rt.accepting = False
-        leaks = rt.ctx.leaks()
-        for leak in leaks:
-            log.error("RRef leak on worker %r: %s", rt.info.name, leak)
-        if missing:
-            error = ShutdownError(
-                f"shutdown of {rt.info.name!r}: worker(s) {names(missing)} never finished shutdown within the timeout"
-            )
-        elif rt.options.strict_rref_leaks and (leaks or sites):
-            lines = [f"fork still registered: {x}" for x in leaks] + [f"still referenced at shutdown: {s}" for s in sites]
-            error = RRefLeakError(f"RRef leaks on worker {rt.info.name!r}:\n  " + "\n  ".join(lines), lines)
-        elif busy:
-            error = ShutdownError(
-                f"shutdown of {rt.info.name!r}: calls in flight (run here for live peers, or sent from here) "
-                "had not finished at the timeout - a handler that never returns? They were abandoned"
-            )
-        phase[0] = "leave barrier"
-        if rdzv.server is not None:  # rank 0 hosts the store: it leaves last
-            rdzv.barrier("leave", me, world_size, deadline, rt.agent.dead_peers())
-        else:
-            rdzv.arrive("leave", me)
-        return error
-    except RpcError as e:
-        return e
-    except Exception as e:  # the store died under us (its host left): still close
-        return ShutdownError(f"shutdown of {rt.info.name!r} could not complete its barrier: {e}")
-

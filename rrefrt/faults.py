@@ -91,14 +91,14 @@ def install(plan: FaultPlan | None) -> bool:
     """Install ``plan`` on this worker's runtime (None removes it). Returns True."""
     rt = state.current()
     if plan is None:
-        rt.agent.fault_hook = None
+        rt.transport.fault_hook = None
         rt.control_retry_interval = getattr(rt, "_default_retry_interval", rt.control_retry_interval)
         return True
     if not hasattr(rt, "_default_retry_interval"):
         rt._default_retry_interval = rt.control_retry_interval
     if plan.control_retry_interval is not None:
         rt.control_retry_interval = plan.control_retry_interval
-    rt.agent.fault_hook = _Installed(plan)
+    rt.transport.fault_hook = _Installed(plan)
     return True
 
 
@@ -108,5 +108,5 @@ def clear() -> bool:
 
 def stats() -> dict[str, int]:
     """How often each rule fired on this worker, as ``{"<action>:<label>": n}``."""
-    hook = state.current().agent.fault_hook
+    hook = state.current().transport.fault_hook
     return dict(hook.counts) if isinstance(hook, _Installed) else {}

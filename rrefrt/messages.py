@@ -1,55 +1,50 @@
-"""Message kinds on the wire and the protocol actions the RRef context asks its caller to
-perform. See docs/protocol.md for the message table.
+"""The message table: one frozen dataclass per message kind, decoded once on arrival, and
+the protocol actions the RRef context asks its caller to perform.
 
-Imports from rrefrt: ids (leaf).
+Imports from rrefrt: ids (leaf). See docs/protocol.md for the protocol itself.
+
+One name per message: the class (``ForkRequest``) is what the context returns as an
+action, what the runtime sends, what ``decode`` returns on arrival, what the control thread
+handles and what the tests build. Its ``NAME`` (``"RREF_FORK_REQUEST"``) is the label the
+fault hook and the logs use; its ``KIND`` is the int on the wire. Nothing else names it.
 
 Every kind is a request answered by a RESPONSE of the transport (the "ack"); ``meta`` is
 plain msgpack (never pickled). Payload frames - present only where the table says so - are a
 pickle-5 stream followed by its out-of-band buffers (tensor storage), decoded only after the
-header passed validation.
+header passed validation (``decode``), which is the only place meta is parsed.
 
-    kind              sender -> receiver     meta (request)                      payload
-    PYTHON_CALL       caller -> callee       [forks]                             (func, args, kwargs)
-    PYTHON_REMOTE     caller -> owner        [rref_id, fork_id, type, forks]     (func, args, kwargs)
-                      answered at once (accepted); retried until accepted, deduplicated by
-                      fork id on the owner, so the function runs once
-    REMOTE_RET        owner  -> caller       [rref_id, status]                   error if status ERROR
-    RREF_FETCH        user   -> owner        [rref_id, fork_id]                  -
-    RREF_FORK_REQUEST child  -> owner        [rref_id, fork_id, parent]          -
-    RREF_CHILD_ACCEPT child/owner -> parent  [fork_id]                           -
-    RREF_USER_DELETE  user   -> owner        [rref_id, fork_id]                  -
+    class          NAME (label)       KIND  sender -> receiver     meta (request)                   payload
+    PythonCall     PYTHON_CALL        16    caller -> callee       [forks]                          (func, args, kwargs)
+    RemoteRequest  PYTHON_REMOTE      17    caller -> owner        [rref_id, fork_id, type, forks]  (func, args, kwargs)
+                   retried until answered, deduplicated by fork id on the owner, so the
+                   function runs once; see NOTE [Creation acks] in rrefrt/creation.py
+    Fetch          RREF_FETCH         18    user   -> owner        [rref_id, fork_id]               -
+    ForkRequest    RREF_FORK_REQUEST  19    child  -> owner        [rref_id, fork_id, parent]       -
+    ChildAccept    RREF_CHILD_ACCEPT  20    child/owner -> parent  [fork_id]                        -
+    UserDelete     RREF_USER_DELETE   21    user   -> owner        [rref_id, fork_id]               -
+    RemoteRet      REMOTE_RET         22    owner  -> caller       [rref_id, status]                error if status ERROR
 
-    response meta: [status, forks, error_kind]   status OK=0 / ERROR=1; payload = value or
-    the pickled error; forks = fork data of RRefs inside the payload.
+    response meta: [status, forks] or, answering PYTHON_REMOTE, [status, forks, done]
+        status   OK=0 / ERROR=1; the payload is the value, or the pickled error
+        forks    fork data of the RRefs inside the payload (``ForkData.to_wire``)
+        done     PYTHON_REMOTE only: 1 = the value (or error) exists and this answer is its
+                 result (no REMOTE_RET follows); 0 = accepted only, REMOTE_RET follows
+
+A message ``dest`` is the worker it goes to; a decoded message has ``dest`` = the receiver.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from .ids import ForkId, RRefId
 
-PYTHON_CALL = 16
-PYTHON_REMOTE = 17
-RREF_FETCH = 18
-RREF_FORK_REQUEST = 19
-RREF_CHILD_ACCEPT = 20
-RREF_USER_DELETE = 21
-REMOTE_RET = 22
-
-CONTROL_KINDS = frozenset({RREF_FETCH, RREF_FORK_REQUEST, RREF_CHILD_ACCEPT, RREF_USER_DELETE, REMOTE_RET})
-KIND_NAMES = {
-    PYTHON_CALL: "PYTHON_CALL",
-    PYTHON_REMOTE: "PYTHON_REMOTE",
-    RREF_FETCH: "RREF_FETCH",
-    RREF_FORK_REQUEST: "RREF_FORK_REQUEST",
-    RREF_CHILD_ACCEPT: "RREF_CHILD_ACCEPT",
-    RREF_USER_DELETE: "RREF_USER_DELETE",
-    REMOTE_RET: "REMOTE_RET",
-}
-
 OK, ERROR = 0, 1
+
+
+class MalformedMessage(ValueError):
+    """A message whose meta does not have the shape of its kind (counted and dropped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,28 +68,204 @@ class ForkData:
         return cls(RRefId.from_wire(rid), ForkId.from_wire(fid), owner, parent, tname)
 
 
-# ---- actions returned by the context; the caller performs them after releasing its lock
+def _forks(raw: Any) -> tuple[ForkData, ...]:
+    if type(raw) is not list:
+        raise ValueError("fork list expected")
+    return tuple(ForkData.from_wire(f) for f in raw)
+
+
+def _rid(raw: Any) -> RRefId:
+    return RRefId.from_wire(raw)
+
+
+# ---------------------------------------------------------------------------- messages
+@dataclass(frozen=True, slots=True)
+class PythonCall:
+    KIND: ClassVar[int] = 16
+    NAME: ClassVar[str] = "PYTHON_CALL"
+    dest: int
+    forks: tuple[ForkData, ...] = ()
+
+    def meta(self) -> list[Any]:
+        return [[f.to_wire() for f in self.forks]]
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "PythonCall":
+        (forks,) = meta
+        return cls(dest, _forks(forks))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRequest:
+    KIND: ClassVar[int] = 17
+    NAME: ClassVar[str] = "PYTHON_REMOTE"
+    dest: int
+    rref_id: RRefId
+    fork_id: ForkId
+    type_name: str
+    forks: tuple[ForkData, ...] = ()
+
+    def meta(self) -> list[Any]:
+        return [self.rref_id.to_wire(), self.fork_id.to_wire(), self.type_name, [f.to_wire() for f in self.forks]]
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "RemoteRequest":
+        rid, fid, tname, forks = meta
+        if type(tname) is not str:
+            raise ValueError("type name must be a string")
+        return cls(dest, _rid(rid), ForkId.from_wire(fid), tname, _forks(forks))
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    KIND: ClassVar[int] = 18
+    NAME: ClassVar[str] = "RREF_FETCH"
+    dest: int  # the owner
+    rref_id: RRefId
+    fork_id: ForkId
+
+    def meta(self) -> list[Any]:
+        return [self.rref_id.to_wire(), self.fork_id.to_wire()]
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "Fetch":
+        rid, fid = meta
+        return cls(dest, _rid(rid), ForkId.from_wire(fid))
+
+
 @dataclass(frozen=True, slots=True)
 class ForkRequest:
+    KIND: ClassVar[int] = 19
+    NAME: ClassVar[str] = "RREF_FORK_REQUEST"
     dest: int  # the owner
     rref_id: RRefId
     fork_id: ForkId
     parent: int
 
+    def meta(self) -> list[Any]:
+        return [self.rref_id.to_wire(), self.fork_id.to_wire(), self.parent]
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "ForkRequest":
+        rid, fid, parent = meta
+        if type(parent) is not int:
+            raise ValueError("parent must be a worker id")
+        return cls(dest, _rid(rid), ForkId.from_wire(fid), parent)
+
 
 @dataclass(frozen=True, slots=True)
 class ChildAccept:
+    KIND: ClassVar[int] = 20
+    NAME: ClassVar[str] = "RREF_CHILD_ACCEPT"
     dest: int  # the parent
     fork_id: ForkId
+
+    def meta(self) -> list[Any]:
+        return [self.fork_id.to_wire()]
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "ChildAccept":
+        (fid,) = meta
+        return cls(dest, ForkId.from_wire(fid))
 
 
 @dataclass(frozen=True, slots=True)
 class UserDelete:
+    KIND: ClassVar[int] = 21
+    NAME: ClassVar[str] = "RREF_USER_DELETE"
     dest: int  # the owner
     rref_id: RRefId
     fork_id: ForkId
 
+    def meta(self) -> list[Any]:
+        return [self.rref_id.to_wire(), self.fork_id.to_wire()]
 
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "UserDelete":
+        rid, fid = meta
+        return cls(dest, _rid(rid), ForkId.from_wire(fid))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRet:
+    """The owner's result of a remote() whose answer was not ``done`` (an accept only).
+    ``rref_id`` is also the creator's fork id."""
+
+    KIND: ClassVar[int] = 22
+    NAME: ClassVar[str] = "REMOTE_RET"
+    dest: int  # the creator
+    rref_id: RRefId
+    status: int
+    #: the pickled error when status is ERROR (payload frames, not meta)
+    payload: tuple = field(default=(), compare=False, repr=False)
+
+    def meta(self) -> list[Any]:
+        return [self.rref_id.to_wire(), self.status]
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "RemoteRet":
+        rid, status = meta
+        if status not in (OK, ERROR) or type(status) is not int:
+            raise ValueError("status must be OK or ERROR")
+        return cls(dest, _rid(rid), status)
+
+
+Message = PythonCall | RemoteRequest | Fetch | ForkRequest | ChildAccept | UserDelete | RemoteRet
+
+#: the message table: wire kind -> class (docstring above); the runtime's handler table
+#: (rrefrt/runtime.py, ``Runtime.HANDLERS``) sits beside it, one entry per class
+MESSAGES: dict[int, type] = {
+    cls.KIND: cls for cls in (PythonCall, RemoteRequest, Fetch, ForkRequest, ChildAccept, UserDelete, RemoteRet)
+}
+#: kind -> label, for the transport's fault hook and logs
+KIND_NAMES: dict[int, str] = {kind: cls.NAME for kind, cls in MESSAGES.items()}
+#: messages the control thread handles (the RRef protocol); the others run user code
+CONTROL_MESSAGES = (Fetch, ForkRequest, ChildAccept, UserDelete, RemoteRet)
+
+
+def decode(kind: int, meta: Any, dest: int) -> Message:
+    """Validate and parse a message header in one step; raise MalformedMessage for an
+    unknown kind or meta of the wrong shape. Nothing is unpickled here."""
+    cls = MESSAGES.get(kind) if type(kind) is int else None
+    if cls is None:
+        raise MalformedMessage(f"unknown message kind {kind!r}")
+    if type(meta) is not list:
+        raise MalformedMessage(f"{cls.NAME}: meta must be a list, got {type(meta).__name__}")
+    try:
+        return cls.decode(dest, meta)  # type: ignore[attr-defined, no-any-return]
+    except (ValueError, TypeError) as e:
+        raise MalformedMessage(f"{cls.NAME}: malformed meta: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """A decoded response meta (see the docstring): validated once, on arrival."""
+
+    status: int
+    forks: tuple[ForkData, ...] = ()
+    done: bool = False
+
+    def meta(self, with_done: bool = False) -> list[Any]:
+        out: list[Any] = [self.status, [f.to_wire() for f in self.forks]]
+        if with_done:
+            out.append(1 if self.done else 0)
+        return out
+
+    @classmethod
+    def decode(cls, meta: Any) -> "Response":
+        try:
+            if type(meta) is not list or len(meta) not in (2, 3):
+                raise ValueError("response meta must be [status, forks] or [status, forks, done]")
+            status = meta[0]
+            if type(status) is not int or status not in (OK, ERROR):
+                raise ValueError(f"bad status {status!r}")
+            return cls(status, _forks(meta[1]), bool(meta[2]) if len(meta) == 3 else False)
+        except (ValueError, TypeError) as e:
+            raise MalformedMessage(f"malformed response: {e}") from None
+
+
+# ---- actions returned by the context besides the messages above; the caller performs them
+# after releasing its lock (see the home-thread table in rrefrt/control.py)
 @dataclass(frozen=True, slots=True)
 class ServeFetch:
     """Answer a fetch that waited for the value: respond to ``src``'s request ``msg_id``."""
@@ -107,9 +278,18 @@ class ServeFetch:
 @dataclass(frozen=True, slots=True)
 class Release:
     """An OwnerRecord left the owners map; drop it outside the lock (its value's destructor
-    may run user code)."""
+    may run user code, so never on the control thread)."""
 
     record: Any
 
 
 Action = ForkRequest | ChildAccept | UserDelete | ServeFetch | Release
+
+# wire kind constants, kept for the transport tests and the fault labels' readers
+PYTHON_CALL = PythonCall.KIND
+PYTHON_REMOTE = RemoteRequest.KIND
+RREF_FETCH = Fetch.KIND
+RREF_FORK_REQUEST = ForkRequest.KIND
+RREF_CHILD_ACCEPT = ChildAccept.KIND
+RREF_USER_DELETE = UserDelete.KIND
+REMOTE_RET = RemoteRet.KIND

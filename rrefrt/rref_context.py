@@ -15,6 +15,10 @@ Rule 3: G2 - the owner drops an OwnerRecord only when no fork references it; for
         sent by a user stay covered by the parent's own fork until the child accepts.
 Rule 4: G3 - when a worker dies its forks are dropped on every owner, its pending children
         count as accepted, and every user of an RRef it owned fails with OwnerDiedError.
+        Nothing registers a fork for a dead worker afterwards (no fork is sent to it, a
+        late fork request or creation from it registers nothing), a placeholder waiting
+        for a creation by a dead worker fails, and a value released after its last holder
+        died is never re-created empty by a late fork request or fetch (``released``).
 Rule 5: every wait has a deadline (``wait_*``); see docs/protocol.md for the full statement.
 """
 
@@ -27,7 +31,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import OwnerDiedError, RpcError, RRefCreationError, fresh
+from .errors import OwnerDiedError, RpcError, RRefCreationError, WorkerUnavailableError, fresh
 from .ids import ForkId, IdGenerator, RRefId
 from .messages import (
     Action,
@@ -101,6 +105,10 @@ class RRefContext:
         #: or creation that arrives late must not resurrect them. Kept for the group's life.
         self.deleted_forks: set[ForkId] = set()
         self.dead: set[int] = set()  #: workers declared dead
+        #: rref ids of values owned here that left ``owners`` for good (Release): a late fork
+        #: request or fetch for one (a fork its dead holder sent on) must not re-create it
+        #: as an empty placeholder that nothing would ever free. Kept for the group's life.
+        self.released: set[RRefId] = set()
         #: rref id -> record, for every value owned here while anything references it
         #: (``owners`` or a local RRef object): how an RRef sent to itself finds its value.
         self.known_owned: weakref.WeakValueDictionary[RRefId, OwnerRecord] = weakref.WeakValueDictionary()
@@ -218,6 +226,7 @@ class RRefContext:
         ``owners`` while the message is in flight, and it has its own id, so that undoing it
         (``abort_fork``) cannot drop the creator's fork, whose id is the RRef id."""
         with self._lock:
+            self._check_alive(dest)
             fid = self.ids.new()
             self.owners[record.rref_id] = record
             self.forks.setdefault(record.rref_id, {})[fid] = dest
@@ -227,6 +236,7 @@ class RRefContext:
         """A user sends its RRef to ``dest``: keep its own fork until the child accepts."""
         fid = self.ids.new()
         with self._lock:
+            self._check_alive(dest)
             if rec.error is not None:
                 raise fresh(rec.error)
             if rec.fork_id not in self.pending_users and rec.fork_id not in self.confirmed_users:
@@ -234,6 +244,11 @@ class RRefContext:
             rec.children += 1
             self.pending_children[fid] = (rec, dest)
             return ForkData(rec.rref_id, fid, rec.owner, self.worker_id, rec.type_name)
+
+    def _check_alive(self, dest: int) -> None:
+        """Under the lock: a fork for a dead worker would never be dropped (G3 ran)."""
+        if dest in self.dead:
+            raise WorkerUnavailableError(f"cannot send an RRef to worker {dest}: it was declared dead")
 
     def abort_fork(self, data: ForkData) -> list[Action]:
         """A message carrying ``data`` was never sent (serialization or send failed)."""
@@ -281,6 +296,15 @@ class RRefContext:
             self.owners[rref_id] = rec
         return rec
 
+    def _gone(self, rref_id: RRefId) -> bool:
+        """The value was released here and nothing holds its record any more."""
+        return rref_id in self.released and rref_id not in self.owners and self.known_owned.get(rref_id) is None
+
+    @staticmethod
+    def _gone_record(rref_id: RRefId) -> OwnerRecord:
+        err = RpcError(f"RRef {rref_id} no longer exists on its owner: its last holder died while passing it on")
+        return OwnerRecord(rref_id, state=FAILED, error=err, created=True)
+
     def new_local_owner(self, value: Any, type_name: str) -> OwnerRecord:
         """RRef(value) or remote() to self: a record not yet in ``owners`` (no fork yet)."""
         rec = OwnerRecord(self.ids.new(), type_name, created=True)
@@ -297,7 +321,7 @@ class RRefContext:
         None for a duplicate (retried or duplicated creation): the function must not run
         twice."""
         with self._lock:
-            if fork_id in self.deleted_forks:
+            if fork_id in self.deleted_forks or creator in self.dead:
                 return None
             rec = self.owners.get(rref_id) or self.known_owned.get(rref_id)
             if rec is not None and rec.created:
@@ -324,12 +348,15 @@ class RRefContext:
             actions: list[Action] = [ServeFetch(src, mid, rec) for src, mid in waiters]
             if not self.forks.get(rec.rref_id) and self.owners.get(rec.rref_id) is rec and rec.created:
                 del self.owners[rec.rref_id]
+                self.released.add(rec.rref_id)
                 actions.append(Release(rec))
             return actions
 
     def on_fetch(self, rref_id: RRefId, src: int, msg_id: int) -> ServeFetch | None:
         """Serve now (returned) or when the value is set (remembered, no thread parked)."""
         with self._lock:
+            if self._gone(rref_id):
+                return ServeFetch(src, msg_id, self._gone_record(rref_id))
             rec = self._owner_record(rref_id)
             if rec.state != PENDING:
                 return ServeFetch(src, msg_id, rec)
@@ -340,6 +367,8 @@ class RRefContext:
         with self._lock:
             if fork_id in self.deleted_forks:
                 return  # a duplicate or retry that arrived after the fork was deleted
+            if requester in self.dead or self._gone(rref_id):
+                return  # G3 already ran for it / the value is gone: nothing to keep alive
             self._owner_record(rref_id, register=True)
             self.forks.setdefault(rref_id, {})[fork_id] = requester
 
@@ -366,11 +395,16 @@ class RRefContext:
         del self.forks[rref_id]
         rec = self.owners.get(rref_id)
         self._changed.notify_all()
-        if rec is None or (rec.state == PENDING and not rec.created):
+        if rec is None:
+            return []
+        if rec.state == PENDING and not rec.created:
+            if rref_id.worker in self.dead:  # a placeholder whose creation can never come
+                del self.owners[rref_id]
             return []
         if rec.state == PENDING:
             return []  # creation still running; set_value releases it
         del self.owners[rref_id]
+        self.released.add(rref_id)
         return [Release(rec)]
 
     # ------------------------------------------------------------------ failures (G3)
@@ -383,6 +417,17 @@ class RRefContext:
                     actions += self._drop_fork(rid, fid)
             for rec in self.owners.values():
                 rec.waiters = [(s, m) for s, m in rec.waiters if s != peer]
+            for rid, rec in list(self.owners.items()):
+                if rid.worker == peer and not rec.created and rec.state == PENDING:
+                    # a placeholder: its creation (by the dead worker) can never arrive
+                    rec.state = FAILED
+                    rec.error = RRefCreationError(
+                        f"RRef creation failed: its creator (worker {peer}) died before the creation arrived"
+                    )
+                    waiters, rec.waiters = rec.waiters, []
+                    actions += [ServeFetch(s, m, rec) for s, m in waiters]
+                    if not self.forks.get(rid):
+                        del self.owners[rid]
             for fid, (parent, child) in list(self.pending_children.items()):
                 if child == peer or parent.owner == peer:
                     del self.pending_children[fid]

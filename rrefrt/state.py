@@ -1,6 +1,14 @@
 """The one process-global of rrefrt: the current runtime (set by init_rpc, reset by
 shutdown). Everything else is passed explicitly. Leaf module (imports errors only).
 
+NOTE [Runtime binding]: a thread may be bound to a runtime (``bound(rt)``): then
+``current()`` is that runtime while it is open. Each runtime binds the threads that run
+user code for it (its user pool tasks, its callback pool, its event loop), so that several
+runtimes can live in one process (unit tests over transport/inproc.py): user code on
+worker B's pool that calls the API, or uses an RRef, reaches B, not whichever runtime
+init_rpc made current. With one runtime per process (always, outside tests) a binding
+names the current runtime itself, and a closed one falls back to the process-global.
+
 NOTE [Fork safety]: the runtime records the pid that created it. A forked child inherits
 the variable but not the I/O thread, and may inherit locks held by threads that do not
 exist in it, so ``current()`` compares pids before anything else and never takes a lock.
@@ -8,16 +16,37 @@ exist in it, so ``current()`` compares pids before anything else and never takes
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 from .errors import ShutdownError
 
 _runtime: Any = None
+_bound = threading.local()  #: .rt: the runtime this thread works for (NOTE [Runtime binding])
+
+
+def _here() -> Any:
+    rt = getattr(_bound, "rt", None)
+    if rt is None or rt.closed or rt.pid != os.getpid():  # unbound, closed, or inherited
+        return _runtime
+    return rt
+
+
+@contextlib.contextmanager
+def bound(rt: Any) -> Iterator[None]:
+    """Run a block as a thread of ``rt`` (NOTE [Runtime binding])."""
+    prev = getattr(_bound, "rt", None)
+    _bound.rt = rt
+    try:
+        yield
+    finally:
+        _bound.rt = prev
 
 
 def current() -> Any:
-    rt = _runtime
+    rt = _here()
     if rt is None:
         raise ShutdownError("RPC is not running on this process: call rrefrt.init_rpc() first (or it was shut down)")
     if rt.pid != os.getpid():
@@ -33,12 +62,12 @@ FORKED = (
 
 def inherited() -> bool:
     """True in a forked child that inherited its parent's runtime (and has no own one)."""
-    rt = _runtime
+    rt = _here()
     return rt is not None and rt.pid != os.getpid()
 
 
 def current_or_none() -> Any:
-    rt = _runtime
+    rt = _here()
     if rt is None or rt.pid != os.getpid():
         return None
     return rt

@@ -21,7 +21,8 @@ def agent_info() -> dict:
     return {
         "endpoints": list(rt.agent.endpoints),
         "dead": sorted(rt.agent.peer_name(p) for p in rt.agent.dead_peers()),
-        "stats": {k: int(v) for k, v in rt.agent.stats.items()},
+        # the transport's counters and the runtime's own, merged as get_debug_info shows them
+        "stats": rt.lifecycle.stats(),
         "pid": os.getpid(),
     }
 

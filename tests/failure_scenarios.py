@@ -125,7 +125,7 @@ def _child_checks(rt: Any, user_rref: Any, owned: Any, peer: str, full: bool) ->
 
     class Recorder:
         def put(self, item: Any) -> None:
-            sent.append(f"control: {item[0]}")
+            sent.append(f"control: {type(item).__name__}")
 
     rt._control = Recorder()
     t0 = time.monotonic()

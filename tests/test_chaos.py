@@ -1,5 +1,5 @@
 """Seeded chaos runs in CI: drops, delays, duplicates, reordering, and one kill or SIGSTOP
-in half of the runs. Pass: 0 hangs, 0 orphans, 0 leaked OwnerRRefs when no worker died,
+in half of the runs. Pass: 0 hangs, 0 orphans, 0 leaked OwnerRRefs unless a worker was stopped,
 only documented errors. Long campaigns: ``python scripts/chaos.py --runs 500``."""
 
 from __future__ import annotations

@@ -2,10 +2,15 @@
 
 Part 1 drives the RRefContexts of three simulated workers with hypothesis: a simulated
 network holds the messages in flight and rules deliver them in any order, each exactly
-once. The events are mapped to messages the way rrefrt.runtime does it (remote(),
-_fork / _rrefs_from_forks, _perform, _control_item, _finish_call), and a ground truth kept
-by the test (live RRef objects, forks in flight) checks G1 and G2 at every step and the
-absence of leaks at teardown.
+once. Each simulated worker is a ``SimWorker``: the real dispatch of the runtime
+(rrefrt.control.ControlLoop with its handler table, rrefrt.creation.CreationTracker,
+rrefrt.callee.Callee.finish) over a fake transport whose sends land in the simulated
+network, decoded with rrefrt.messages.decode as a receiver would. The control queue is
+drained synchronously after each step, so each step is deterministic. Only what is not
+protocol stays in the model: the user pool (a "run" event), serialization (a fetch answer
+carries the record), and turning fork data into RRef objects. A ground truth kept by the
+test (live RRef objects, forks in flight) checks G1 and G2 at every step and the absence
+of leaks at teardown.
 
 Part 2 holds deterministic tests of single scenarios (message orders that matter, peer
 death, validate()).
@@ -13,9 +18,11 @@ death, validate()).
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import itertools
+import queue
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +32,25 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from rrefrt.callee import Callee
+from rrefrt.control import ControlLoop, Dropped, Incoming
+from rrefrt.creation import CreationTracker
 from rrefrt.errors import OwnerDiedError
 from rrefrt.ids import ForkId, IdGenerator, RRefId
-from rrefrt.messages import ChildAccept, ForkData, ForkRequest, Release, ServeFetch, UserDelete
+from rrefrt.messages import (
+    ChildAccept,
+    Fetch,
+    ForkData,
+    ForkRequest,
+    PythonCall,
+    Release,
+    RemoteRequest,
+    RemoteRet,
+    ServeFetch,
+    UserDelete,
+    decode,
+)
+from rrefrt.options import WorkerInfo
 from rrefrt.rref_context import FAILED, PENDING, READY, OwnerRecord, RRefContext, UserRecord
 
 WORKERS = (0, 1, 2)
@@ -65,14 +88,78 @@ class Front:
 
 @dataclass(eq=False)
 class Msg:
-    kind: str
+    """In flight: a protocol message (``kind`` is its class from rrefrt.messages, the one
+    name it has everywhere; ``args["msg"]`` the decoded message), a response ("reply"), or
+    a model event ("run": the user pool runs a creating function; "fetch_ret")."""
+
+    kind: Any
     src: int
     dest: int
     args: dict[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        shown = {k: v for k, v in self.args.items() if k not in ("value", "rec", "front")}
-        return f"Msg({self.kind} {self.src}->{self.dest} {shown})"
+        shown = {k: v for k, v in self.args.items() if k not in ("value", "rec", "front", "frames")}
+        name = getattr(self.kind, "NAME", self.kind)
+        return f"Msg({name} {self.src}->{self.dest} {shown})"
+
+
+class SimWorker:
+    """What the runtime's real dispatch needs of a runtime, for one simulated worker: its
+    context, and a transport / callback pool that hand everything to the model."""
+
+    def __init__(self, machine: "RRefProtocolMachine", worker: int) -> None:
+        self.m = machine
+        self.id = worker
+        self.info = WorkerInfo(f"w{worker}", worker)
+        self.ctx = machine.ctxs[worker]
+        self.stats: collections.Counter = collections.Counter()
+        self.control_retry_interval, self.control_attempts, self.closed = 2.0, 15, False
+        self.transport = self.callbacks = self
+        #: msg_id -> (message, on_done) of the requests this worker sent
+        self.pending: dict[int, tuple[Any, Any]] = {}
+        self.control = ControlLoop(self)  # never started: drain() runs its items
+        self.creation = CreationTracker(self)
+        self.callee = Callee(self)
+
+    def worker_name(self, worker: int) -> str:
+        return f"w{worker}"
+
+    # the transport
+    def request(self, dest: int, kind: int, meta: Any, frames: Any, timeout: float, on_done: Any, label: str = "") -> int:
+        msg = decode(kind, meta, dest)  # what the receiver's dispatch will see
+        mid = next(self.m.msg_ids)
+        self.pending[mid] = (msg, on_done)
+        self.m.sent(self.id, msg)
+        self.m.net.append(Msg(type(msg), self.id, dest, {"msg": msg, "msg_id": mid, "frames": list(frames)}))
+        return mid
+
+    def respond(self, dest: int, msg_id: int, meta: Any, frames: Any = (), label: str = "") -> None:
+        self.m.net.append(Msg("reply", self.id, dest, {"msg_id": msg_id, "meta": meta, "frames": list(frames)}))
+
+    def call_later(self, delay: float, fn: Any) -> None:
+        fn()  # the accept timer fires at once: every creation takes the slow path (REMOTE_RET)
+
+    # the callback pool: Release and ServeFetch arrive here (their home thread)
+    def submit(self, fn: Any, *args: Any) -> None:
+        target = getattr(fn, "__self__", None)
+        if isinstance(target, list):  # NOTE [Release home]: box.clear of a released record
+            if target:
+                self.m._check_release(self.id, target[0])
+        elif getattr(fn, "__func__", None) is Callee.serve_fetch:  # serialization is not modelled
+            (sf,) = args
+            self.m.net.append(Msg("fetch_ret", self.id, sf.src, {"msg_id": sf.msg_id, "rec": sf.record}))
+            return
+        fn(*args)
+
+    def drain(self) -> None:
+        """Run every control item enqueued so far (the control thread, synchronously)."""
+        q = self.control.queue
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            self.control._handlers[type(item)](item)
 
 
 def _tracked(fn: Any) -> Any:
@@ -112,13 +199,16 @@ class RRefProtocolMachine(RuleBasedStateMachine):
         self.fetches: dict[int, Front] = {}
         self.msg_ids = itertools.count(1)
         self.failed = False
+        #: rref id -> (value, fails): what the creating function of a remote() will do
+        self.creations: dict[RRefId, tuple[object, bool]] = {}
+        self.workers = [SimWorker(self, w) for w in WORKERS]
 
     # ------------------------------------------------------------------ ground truth
     def _refs(self, rid: RRefId) -> list[Any]:
         """What needs the owner's record of ``rid``: live UserRRefs and messages carrying
         one of its forks (G2)."""
         out: list[Any] = [f for f in self.fronts if f.kind == "user" and f.rid == rid]
-        out += [m for m in self.net if m.kind == "call" and m.args["data"].rref_id == rid]
+        out += [m for m in self.net if m.kind is PythonCall and m.args["msg"].forks[0].rref_id == rid]
         return out
 
     def _undeleted_user_forks(self, rid: RRefId) -> list[UserRecord]:
@@ -154,27 +244,25 @@ class RRefProtocolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ actions -> messages
     def _perform(self, worker: int, actions: list[Any]) -> None:
-        """runtime._perform: every action becomes a message (or, for Release, a check)."""
-        for a in actions:
-            if isinstance(a, ForkRequest):
-                assert a.dest == self.owner_of[a.rref_id], "fork request sent to a non-owner"
-                self.net.append(Msg("fork_request", worker, a.dest, {"rid": a.rref_id, "fid": a.fork_id, "parent": a.parent}))
-            elif isinstance(a, ChildAccept):
-                self.net.append(Msg("child_accept", worker, a.dest, {"fid": a.fork_id}))
-            elif isinstance(a, UserDelete):
-                assert a.dest == self.owner_of[a.rref_id], "user delete sent to a non-owner"
-                assert a.fork_id in self.confirmed, f"G1: fork {a.fork_id} deleted before the owner confirmed it"
-                assert a.fork_id not in self.deletes_sent, f"fork {a.fork_id} deleted twice"
-                kids = [c for c, p in self.open_children.items() if p == (worker, a.fork_id)]
-                assert not kids, f"G1: fork {a.fork_id} deleted while its children {kids} are not accepted"
-                self.deletes_sent.add(a.fork_id)
-                self.net.append(Msg("user_delete", worker, a.dest, {"rid": a.rref_id, "fid": a.fork_id}))
-            elif isinstance(a, ServeFetch):
-                self.net.append(Msg("fetch_ret", worker, a.src, {"msg_id": a.msg_id, "rec": a.record}))
-            elif isinstance(a, Release):
-                self._check_release(worker, a.record)
-            else:  # pragma: no cover
-                raise AssertionError(f"unknown action {a!r}")
+        """Actions returned by a context outside the control thread (the runtime's
+        ``control.perform``), then the control thread runs."""
+        w = self.workers[worker]
+        w.control.perform(actions)
+        w.drain()
+
+    def sent(self, worker: int, msg: Any) -> None:
+        """Checked as each message leaves (G1 for deletes)."""
+        if isinstance(msg, ForkRequest):
+            assert msg.dest == self.owner_of[msg.rref_id], "fork request sent to a non-owner"
+        elif isinstance(msg, UserDelete):
+            assert msg.dest == self.owner_of[msg.rref_id], "user delete sent to a non-owner"
+            assert msg.fork_id in self.confirmed, f"G1: fork {msg.fork_id} deleted before the owner confirmed it"
+            assert msg.fork_id not in self.deletes_sent, f"fork {msg.fork_id} deleted twice"
+            kids = [c for c, p in self.open_children.items() if p == (worker, msg.fork_id)]
+            assert not kids, f"G1: fork {msg.fork_id} deleted while its children {kids} are not accepted"
+            self.deletes_sent.add(msg.fork_id)
+        else:
+            assert isinstance(msg, (ChildAccept, RemoteRequest, RemoteRet, Fetch)), f"unexpected {msg!r}"
 
     def _check_release(self, worker: int, rec: OwnerRecord) -> None:
         rid = rec.rref_id
@@ -201,7 +289,9 @@ class RRefProtocolMachine(RuleBasedStateMachine):
         self.owner_of[rid] = owner
         self.values[rid] = value = object()
         self.fronts.append(Front(creator, "user", rid, rec))
-        self.net.append(Msg("remote", creator, owner, {"rid": rid, "fid": rec.fork_id, "value": value, "fails": fails}))
+        self.creations[rid] = (value, fails)
+        # rrefrt.caller.Caller.remote: the creation goes through the creator's tracker
+        self.workers[creator].creation.send(RemoteRequest(owner, rid, rec.fork_id, "object", ()), [])
 
     @rule(worker=st.sampled_from(WORKERS))
     @_tracked
@@ -235,7 +325,7 @@ class RRefProtocolMachine(RuleBasedStateMachine):
         """rpc/remote to ``dest`` (itself included) with the RRef as an argument."""
         front = self._pick(idx, usable=True)
         data = self._fork(front, dest)
-        self.net.append(Msg("call", front.worker, dest, {"data": data}))
+        self.net.append(Msg(PythonCall, front.worker, dest, {"msg": PythonCall(dest, (data,))}))
 
     @precondition(lambda self: any(map(self._usable, self.fronts)))
     @rule(idx=st.integers(0, 1000), dest=st.sampled_from(WORKERS))
@@ -254,8 +344,9 @@ class RRefProtocolMachine(RuleBasedStateMachine):
         """The Python RRef object goes away (RRef.__del__ -> enqueue_drop)."""
         front = self._pick(idx, unpinned=True)
         self.fronts.remove(front)
-        if front.kind == "user":
-            self._perform(front.worker, self.ctxs[front.worker].user_dropped(front.rec.fork_id))
+        if front.kind == "user":  # RRef.__del__ -> runtime.enqueue_drop
+            self.workers[front.worker].control.put(Dropped(front.rec.fork_id))
+            self.workers[front.worker].drain()
 
     @precondition(lambda self: any(f.kind == "user" and self._usable(f) for f in self.fronts))
     @rule(idx=st.integers(0, 1000))
@@ -264,10 +355,10 @@ class RRefProtocolMachine(RuleBasedStateMachine):
         """A UserRRef fetches its value: RREF_FETCH, answered (maybe later) by ServeFetch.
         The object stays referenced until the answer arrives (to_here() is running)."""
         front = self._pick(idx, kind="user", usable=True)
-        mid = next(self.msg_ids)
         front.pins += 1
+        msg = Fetch(front.rec.owner, front.rid, front.rec.fork_id)  # rrefrt.caller.Caller.fetch
+        mid = self.workers[front.worker].request(msg.dest, msg.KIND, msg.meta(), [], 0.0, None, msg.NAME)
         self.fetches[mid] = front
-        self.net.append(Msg("fetch", front.worker, front.rec.owner, {"rid": front.rid, "msg_id": mid}))
 
     # ------------------------------------------------------------------ rules: the network
     def _deliver(self, idx: int) -> None:
@@ -292,32 +383,35 @@ class RRefProtocolMachine(RuleBasedStateMachine):
     def deliver_even_more(self, idx: int) -> None:
         self._deliver(idx)
 
-    def _handle(self, msg: Msg) -> None:
-        ctx = self.ctxs[msg.dest]
-        a = msg.args
-        w = msg.dest
-        if msg.kind == "remote":
-            # runtime._on_message (PYTHON_REMOTE): register the creator's fork, then the
-            # function runs on the pool while other messages keep arriving ("run" below)
-            rec = ctx.on_remote_request(a["rid"], a["fid"], msg.src, "object")
-            self._observe_owner(w, a["rid"], rec)
-            assert rec.created
-            self.net.append(Msg("run", w, w, {**a, "creator": msg.src, "rec": rec}))
-        elif msg.kind == "run":
-            # runtime._finish_call: set_value (or the error), then REMOTE_RET
+    def _handle(self, m: Msg) -> None:
+        """Deliver ``m`` to its worker through the runtime's real handlers (the handler
+        table of rrefrt/runtime.py: control messages to the control loop, creations and
+        their results to the creation tracker)."""
+        w, worker = m.dest, self.workers[m.dest]
+        ctx, a = self.ctxs[w], m.args
+        msg = a.get("msg")
+        if m.kind is RemoteRequest:
+            # Callee.on_remote_request: register the creator's fork; the function then runs
+            # on the pool while other messages keep arriving ("run" below)
+            rec = worker.creation.on_request(m.src, a["msg_id"], msg)
+            assert rec is not None and rec.created, "a creation delivered once was taken for a duplicate"
+            self._observe_owner(w, msg.rref_id, rec)
+            self.net.append(Msg("run", w, w, {"msg": msg, "creator": m.src, "rec": rec}))
+        elif m.kind == "run":
+            # the pool finished the creating function: Callee.finish (set_value, REMOTE_RET)
             rec = a["rec"]
-            err = RuntimeError("user function failed") if a["fails"] else None
-            self._perform(w, ctx.set_value(rec, a["value"], err))
+            value, fails = self.creations.pop(msg.rref_id)
+            err = RuntimeError("user function failed") if fails else None
+            worker.callee.finish(a["creator"], msg, 0, rec, value, err)
             assert rec.state == (FAILED if err else READY)
-            assert rec.value is a["value"] if err is None else rec.error is err
-            self.net.append(Msg("remote_ret", w, a["creator"], {"fid": a["fid"], "error": err}))
-        elif msg.kind == "remote_ret":
-            self.confirmed.add(a["fid"])
-            self._perform(w, ctx.on_remote_ret(a["fid"], a["error"]))
-        elif msg.kind == "call":
-            # runtime._rrefs_from_forks
-            data: ForkData = a["data"]
-            rec, actions = ctx.on_fork_received(data, msg.src)
+            assert rec.value is value if err is None else rec.error is err
+        elif m.kind is RemoteRet:
+            self.confirmed.add(msg.rref_id)
+            worker.creation.on_remote_ret(m.src, a["msg_id"], msg, a["frames"])
+        elif m.kind is PythonCall:
+            # Caller.rrefs_from_forks: the fork data becomes an RRef object (model: a Front)
+            (data,) = msg.forks
+            rec, actions = ctx.on_fork_received(data, m.src)
             if data.owner == w:
                 assert isinstance(rec, OwnerRecord)
                 self._observe_owner(w, data.rref_id, rec)
@@ -329,39 +423,38 @@ class RRefProtocolMachine(RuleBasedStateMachine):
                     self.confirmed.add(data.fork_id)  # early fork registration by the owner
                 self.fronts.append(Front(w, "user", data.rref_id, rec))
             self._perform(w, actions)
-        elif msg.kind == "fork_request":
-            # runtime._control_item RREF_FORK_REQUEST: register, then the ack
-            ctx.on_fork_request(a["rid"], a["fid"], msg.src)
-            self._observe_owner(w, a["rid"], ctx.owners[a["rid"]])
-            self.net.append(Msg("fork_ack", w, msg.src, {"fid": a["fid"]}))
-        elif msg.kind == "fork_ack":
-            self.confirmed.add(a["fid"])
-            self._perform(w, ctx.on_fork_request_ack(a["fid"]))
-        elif msg.kind == "child_accept":
-            parent = self.open_children.pop(a["fid"], None)
-            assert parent is not None and parent[0] == w, f"unexpected child accept {msg!r}"
-            self._perform(w, ctx.on_child_accept(a["fid"]))
-        elif msg.kind == "user_delete":
-            assert a["fid"] in ctx.forks.get(a["rid"], {}), f"G1: {msg!r} arrived before the owner registered the fork"
-            self._perform(w, ctx.on_user_delete(a["rid"], a["fid"]))
-            self.net.append(Msg("delete_ack", w, msg.src, {"fid": a["fid"]}))
-        elif msg.kind == "delete_ack":
-            assert a["fid"] in ctx.deleting_users
-            ctx.on_user_delete_ack(a["fid"])
-        elif msg.kind == "fetch":
-            sf = ctx.on_fetch(a["rid"], msg.src, a["msg_id"])
-            self._observe_owner(w, a["rid"], sf.record if sf is not None else ctx.owners[a["rid"]])
-            if sf is not None:
-                self._perform(w, [sf])
-        elif msg.kind == "fetch_ret":
+            return
+        elif m.kind in (Fetch, ForkRequest, ChildAccept, UserDelete):
+            if m.kind is ChildAccept:
+                parent = self.open_children.pop(msg.fork_id, None)
+                assert parent is not None and parent[0] == w, f"unexpected child accept {m!r}"
+            elif m.kind is UserDelete:
+                assert msg.fork_id in ctx.forks.get(msg.rref_id, {}), f"G1: {m!r} arrived before the owner registered the fork"
+            worker.control.put(Incoming(m.src, a["msg_id"], msg))  # Runtime.to_control
+            if m.kind in (Fetch, ForkRequest):
+                worker.drain()
+                rec = ctx.owned_record(msg.rref_id)
+                if rec is not None:
+                    self._observe_owner(w, msg.rref_id, rec)
+        elif m.kind == "reply":
+            about, on_done = worker.pending.pop(a["msg_id"])
+            if isinstance(about, ForkRequest):
+                self.confirmed.add(about.fork_id)
+            elif isinstance(about, UserDelete):
+                assert about.fork_id in ctx.deleting_users
+            if on_done is not None:
+                on_done(a["meta"], a["frames"], None)
+        elif m.kind == "fetch_ret":
             front = self.fetches.pop(a["msg_id"])
+            self.workers[w].pending.pop(a["msg_id"])
             rec = a["rec"]
             assert rec is self.canonical[front.rid]() and rec.state in (READY, FAILED)
             if rec.state == READY:
                 assert rec.value is self.values[front.rid], "fetch served the wrong value"
             front.pins -= 1
         else:  # pragma: no cover
-            raise AssertionError(f"unknown message {msg!r}")
+            raise AssertionError(f"unknown message {m!r}")
+        worker.drain()
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -411,7 +504,8 @@ class RRefProtocolMachine(RuleBasedStateMachine):
                 assert front.pins == 0
                 self.fronts.remove(front)
                 if front.kind == "user":
-                    self._perform(front.worker, self.ctxs[front.worker].user_dropped(front.rec.fork_id))
+                    self.workers[front.worker].control.put(Dropped(front.rec.fork_id))
+                    self.workers[front.worker].drain()
         self._flush()
         assert not self.open_children and not self.fetches
         for c in self.ctxs:
@@ -768,3 +862,73 @@ def test_validate_catches_corrupted_state() -> None:
     a.pending_children[ForkId(0, 500)] = (urec, 2)
     with pytest.raises(AssertionError, match="parent fork"):
         a.validate()
+
+
+# ---------------------------------------------------------------- G3: forks in flight and deaths (issue 11, 5)
+def test_no_fork_is_registered_for_a_dead_worker() -> None:
+    """A fork sent to a worker already declared dead would never be dropped: refused."""
+    from rrefrt.errors import WorkerUnavailableError
+
+    a, b = new_ctx(0), new_ctx(1)
+    urec, orec = _make_confirmed_user(a, b)
+    b.on_fork_request(urec.rref_id, ForkId(9, 9), 2)  # a third worker's fork keeps it alive
+    for c in (a, b):
+        assert c.on_peer_dead(2) or True
+    before = b.counts()
+    with pytest.raises(WorkerUnavailableError, match="worker 2"):
+        b.fork_owned(orec, 2)
+    with pytest.raises(WorkerUnavailableError, match="worker 2"):
+        a.fork_user(urec, 2)
+    assert b.counts() == before and a.counts()["num_pending_children"] == 0
+    _validate(a, b)
+
+
+def test_late_messages_of_a_dead_worker_register_nothing() -> None:
+    b = new_ctx(1)
+    rid = RRefId(1, 77)
+    owned = b.new_local_owner("v", "str")
+    b.on_peer_dead(2)
+    b.on_fork_request(owned.rref_id, ForkId(2, 5), 2)
+    assert b.forks == {} and b.owners == {}
+    assert b.on_remote_request(RRefId(2, 8), RRefId(2, 8), 2, "t") is None  # never runs
+    assert b.owners == {} and b.leaks() == [] and rid not in b.owners
+    _validate(b)
+
+
+def test_fork_passed_on_by_a_dying_holder_does_not_pin_an_empty_placeholder() -> None:
+    """A (user of B's value) passes its fork to C and dies. B drops A's fork and frees the
+    value; C's fork request then arrives. Before: B re-created an empty placeholder that
+    nothing ever freed (a value "pinned" after a kill) and C's to_here waited for its
+    timeout. Now nothing is registered and the fetch fails at once."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    urec, orec = _make_confirmed_user(a, b)
+    rid = urec.rref_id
+    data = a.fork_user(urec, 2)
+    actions = b.on_peer_dead(0)
+    assert [type(x) for x in actions] == [Release] and rid not in b.owners
+    del actions, orec
+    gc.collect()
+    crec, c_actions = c.on_fork_received(data, 0)
+    assert c_actions == [ForkRequest(1, rid, data.fork_id, 0)]
+    b.on_fork_request(rid, data.fork_id, 2)
+    assert b.owners == {} and b.forks == {}
+    sf = b.on_fetch(rid, 2, 11)
+    assert sf is not None and sf.record.state == FAILED and "no longer exists" in str(sf.record.error)
+    assert b.owners == {}
+    assert b.on_user_delete(rid, data.fork_id) == []  # C lets go later: nothing to do
+    assert b.counts() == ZERO_COUNTS and b.leaks() == []
+    _validate(a, b, c)
+
+
+def test_placeholder_of_a_dead_creator_fails_its_fetches_and_goes() -> None:
+    b = new_ctx(1)
+    rid = RRefId(0, 5)  # created by worker 0, whose PYTHON_REMOTE never arrived
+    assert b.on_fetch(rid, 2, 7) is None  # a placeholder remembers the fetch
+    b.on_fork_request(rid, ForkId(2, 1), 2)
+    actions = b.on_peer_dead(0)
+    assert len(actions) == 1 and isinstance(actions[0], ServeFetch) and actions[0].record.state == FAILED
+    assert "creator (worker 0) died" in str(actions[0].record.error)
+    _validate(b)
+    assert [type(x) for x in b.on_user_delete(rid, ForkId(2, 1))] == [Release]
+    assert b.counts() == ZERO_COUNTS and b.leaks() == []
+    _validate(b)

@@ -1,0 +1,237 @@
+"""The callee side: running peers' calls (user functions) and answering them.
+
+Owns: the arrival of PYTHON_CALL and PYTHON_REMOTE (deduplication, hand-off to the user
+pool), the execution of user functions (plain, ``@async_execution``, ``async def`` on the
+event loop thread), replies and acknowledgements, and serving fetches (pickling a value).
+Imports from rrefrt: errors, messages, rref_context, serialization.
+
+Threads: ``on_python_call`` / ``on_remote_request`` run on the transport thread and never
+unpickle; ``run_call`` runs on the user pool; ``serve_fetch`` on the callback pool (see the
+home-thread table in rrefrt/control.py); ``async def`` functions on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import inspect
+import logging
+import threading
+import traceback
+from typing import Any, Callable, Sequence
+
+import transport
+
+from . import serialization as ser
+from . import state
+from .errors import RemoteSerializationError, SerializationError, ShutdownError
+from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
+from .rref_context import FAILED, OwnerRecord
+
+log = logging.getLogger("rrefrt")
+
+#: how many recent PYTHON_CALL ids per peer are remembered to drop duplicates
+SEEN_CALLS = 65536
+
+Done = Callable[[Any, "BaseException | None"], None]
+
+
+class Callee:
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        #: src -> (ids, order): recent PYTHON_CALL ids per peer, to drop duplicates (transport thread)
+        self._seen_calls: dict[int, tuple[set[int], collections.deque]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ arrival (transport thread)
+    def on_python_call(self, src: int, msg_id: int, msg: PythonCall, frames: Sequence[Any]) -> None:
+        if self._seen_before(src, msg_id):
+            self.rt.stats["duplicate_calls_dropped"] += 1
+            return
+        self._start(src, msg, msg_id, frames, None)
+
+    def on_remote_request(self, src: int, msg_id: int, msg: RemoteRequest, frames: Sequence[Any]) -> None:
+        rec = self.rt.creation.on_request(src, msg_id, msg)
+        if rec is not None:  # not a duplicate; the answer goes through the creation tracker
+            self._start(src, msg, 0, frames, rec)
+
+    def _start(self, src: int, msg: PythonCall | RemoteRequest, msg_id: int, frames: Sequence[Any],
+               rec: OwnerRecord | None) -> None:
+        rt = self.rt
+        rrefs = rt.caller.rrefs_from_forks(msg.forks, src)
+        if not rt.accepting:
+            err = ShutdownError(f"worker {rt.info.name!r} is shutting down and accepts no new calls")
+            self.finish(src, msg, msg_id, rec, None, err)
+            return
+        rt.lifecycle.track_call(+1, src)
+        rt.pool.submit(self.run_call, src, msg, msg_id, frames, rrefs, rec)
+
+    def _seen_before(self, src: int, msg_id: int) -> bool:
+        """A PYTHON_CALL delivered twice must not run twice."""
+        seen = self._seen_calls.get(src)
+        if seen is None:
+            seen = self._seen_calls[src] = (set(), collections.deque())
+        ids, order = seen
+        if msg_id in ids:
+            return True
+        ids.add(msg_id)
+        order.append(msg_id)
+        if len(order) > SEEN_CALLS:
+            ids.discard(order.popleft())
+        return False
+
+    # ------------------------------------------------------------------ execution (user pool)
+    def run_call(self, src: int, msg: Any, msg_id: int, frames: Sequence[Any], rrefs: list[Any],
+                 rec: OwnerRecord | None) -> None:
+        rt = self.rt
+
+        def done(value: Any, exc: BaseException | None) -> None:
+            try:
+                self.finish(src, msg, msg_id, rec, value, exc)
+            finally:
+                rt.lifecycle.track_call(-1, src)
+
+        try:
+            func, args, kwargs = ser.loads(frames, rrefs)
+        except BaseException as e:
+            if isinstance(e, SerializationError):  # we lack (or refuse) a class: say so, typed
+                cause = e.__cause__ or e
+                err = RemoteSerializationError(str(e), f"{type(cause).__module__}.{type(cause).__qualname__}", rt.info.name)
+                err.__cause__ = e
+                e = err
+            done(None, e)
+            return
+        del rrefs, frames
+        self.invoke(func, args, kwargs, done)
+
+    def invoke(self, func: Any, args: tuple, kwargs: dict, done: Done) -> None:
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as e:
+            done(None, e)
+            return
+        if getattr(func, "_rrefrt_async_execution", False):
+            self._when_done(result, done, func)
+        elif inspect.iscoroutine(result):
+            cf = asyncio.run_coroutine_threadsafe(result, self._event_loop())
+            cf.add_done_callback(lambda f: self.rt.pool.submit(_settle, f, done))
+        else:
+            done(result, None)
+
+    def _when_done(self, fut: Any, done: Done, func: Any) -> None:
+        if isinstance(fut, concurrent.futures.Future):
+            fut.add_done_callback(lambda f: _settle(f, done))
+        elif hasattr(fut, "add_done_callback") and hasattr(fut, "wait"):  # torch.futures.Future
+            def torch_done(f: Any) -> None:
+                try:
+                    value = f.wait()
+                except BaseException as e:
+                    done(None, e)
+                    return
+                done(value, None)
+
+            fut.add_done_callback(torch_done)
+        else:
+            done(None, TypeError(f"@async_execution function {getattr(func, '__qualname__', func)!r} must return a Future, got {type(fut).__name__}"))
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                t = threading.Thread(target=_run_loop, args=(self.rt, loop), name=f"rrefrt-{self.rt.info.name}-asyncio", daemon=True)
+                t.start()
+                self._loop, self._loop_thread = loop, t
+            return self._loop
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(timeout)
+
+    # ------------------------------------------------------------------ replies
+    def finish(self, src: int, msg: Any, msg_id: int, rec: OwnerRecord | None, value: Any, exc: BaseException | None) -> None:
+        try:
+            self._finish(src, msg, msg_id, rec, value, exc)
+        finally:
+            if exc is not None:
+                release_frames(exc)
+
+    def _finish(self, src: int, msg: Any, msg_id: int, rec: OwnerRecord | None, value: Any, exc: BaseException | None) -> None:
+        rt = self.rt
+        if isinstance(msg, RemoteRequest):
+            assert rec is not None
+            rt.control.perform(rt.ctx.set_value(rec, value, exc))
+            if src != rt.info.id:  # not a remote() to self
+                rt.creation.finished(rec, src, exc)
+            return
+        if exc is None:
+            try:
+                frames, forks = rt.caller.dumps(value, src)
+                self.respond(src, msg_id, [OK, forks], frames, msg)
+                return
+            except Exception as e:
+                exc = e
+        self.respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, rt.info.name), msg)
+
+    def serve_fetch(self, sf: ServeFetch) -> None:
+        """Callback pool: answer a fetch with the value (pickling it may run user code)."""
+        rt, rec = self.rt, sf.record
+        if rec.state == FAILED:
+            self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(rec.error, rt.info.name), Fetch)
+            return
+        try:
+            frames, forks = rt.caller.dumps(rec.value, sf.src)
+        except Exception as e:
+            self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, rt.info.name), Fetch)
+            return
+        self.respond(sf.src, sf.msg_id, [OK, forks], frames, Fetch)
+
+    def ack(self, dest: int, msg_id: int, about: Any) -> None:
+        """Acknowledge a protocol message (an empty OK response)."""
+        self.respond(dest, msg_id, Response(OK).meta(), [], about)
+
+    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any], about: Any) -> None:
+        """Answer request ``msg_id`` of ``dest``; ``about`` (a message or its class) names it
+        for the fault hook as ``RESPONSE:<NAME>``."""
+        rt = self.rt
+        try:
+            rt.transport.respond(dest, msg_id, meta, frames, "RESPONSE:" + about.NAME)
+        except transport.MessageTooLarge as e:
+            err = ser.dumps_error(SerializationError(f"result too large: {e}"), rt.info.name)
+            rt.transport.respond(dest, msg_id, [ERROR, []], err)
+        except transport.AgentClosed:
+            log.debug("response to worker %d dropped: transport closed", dest)
+
+
+def release_frames(exc: BaseException) -> None:
+    """NOTE [Error frames]: once a user function's error is answered (and, for remote(),
+    stored), the locals of its finished frames are cleared. A traceback usually sits in a
+    reference cycle (a future holds the error, the error's traceback holds the frame of the
+    future's ``result``), so without this the RRef arguments in those frames stay alive
+    until the garbage collector happens to run - on an idle worker, never - and pin their
+    values on the owner (the leaks after a kill: every call to the dead worker failed).
+    The traceback text was formatted before; line numbers survive the clearing."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+
+
+def _run_loop(rt: Any, loop: asyncio.AbstractEventLoop) -> None:
+    with state.bound(rt):
+        loop.run_forever()
+
+
+def _settle(f: concurrent.futures.Future, done: Done) -> None:
+    try:
+        value = f.result()
+    except BaseException as e:
+        done(None, e)
+        return
+    done(value, None)

@@ -1,0 +1,214 @@
+"""The caller side: sending calls, remote() creations and fetches, and completing their
+futures; the forks carried by messages in both directions.
+
+Owns: ``rpc_async`` / ``rpc_sync`` / ``remote`` / ``fetch`` / ``owner_value``, the
+serialization of outgoing payloads with their forks, the decoding of responses, and the
+translation of transport errors into rrefrt's error tree (``translate``, the one place).
+Imports from rrefrt: errors, futures, messages, rref, rref_context, serialization.
+
+Threads: the public calls run on the user's thread; response callbacks run on the
+transport thread, account for forks at once and decode the payload lazily (in the thread
+that reads the future, never the transport thread).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import transport
+
+from . import serialization as ser
+from .errors import (
+    OwnerDiedError,
+    RpcError,
+    RpcTimeoutError,
+    SerializationError,
+    ShutdownError,
+    WorkerUnavailableError,
+    fresh,
+)
+from .futures import Future
+from .messages import ForkData, Fetch, OK, PythonCall, RemoteRequest, Response
+from .rref import RRef, _invoke_on_owner
+from .rref_context import _NO_VALUE, FAILED, OwnerRecord, creation_site
+
+
+def translate(err: BaseException, what: str, owner_of: str | None = None) -> BaseException:
+    """Transport errors -> rrefrt's error tree (the one place this happens). ``owner_of``
+    names the RRef when the destination is its owner (death -> OwnerDiedError)."""
+    if isinstance(err, transport.RequestTimeout):
+        return RpcTimeoutError(f"{what} timed out after {err.timeout:.3f}s (worker {err.peer!r} did not answer)")
+    if isinstance(err, transport.PeerUnavailable) and owner_of is not None:
+        return OwnerDiedError(f"{what} failed: the owner of {owner_of} is gone: {err}")
+    if isinstance(err, transport.PeerUnavailable):
+        return WorkerUnavailableError(f"{what} failed: {err}")
+    if isinstance(err, transport.MessageTooLarge):
+        return SerializationError(f"{what} failed: {err}")
+    if isinstance(err, transport.AgentClosed):
+        return ShutdownError(f"{what} failed: {err}")
+    return err
+
+
+class Caller:
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+
+    # ------------------------------------------------------------------ calls (user thread)
+    def rpc_async(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Future[Any]:
+        rt = self.rt
+        rt.check_running()
+        dest = rt.worker_info(to).id
+        frames, forks = self.dumps_call(func, args, kwargs, dest)
+        fut: Future[Any] = Future()
+        fut._callback_pool = rt.callbacks
+        what = f"rpc to {rt.worker_name(dest)!r} of {getattr(func, '__qualname__', func)!r}"
+        owner_of = repr(args[0]) if func is _invoke_on_owner and args else None  # a proxy call
+        msg = PythonCall(dest, tuple(ForkData.from_wire(f) for f in forks))
+        self.send_request(msg, frames, rt.timeout(timeout), fut, what, forks, owner_of)
+        return fut
+
+    def rpc_sync(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
+        fut = self.rpc_async(to, func, args, kwargs, timeout)
+        t = self.rt.timeout(timeout)
+        return fut.result(t + 5.0 if t > 0 else None)
+
+    def remote(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> RRef[Any]:
+        rt = self.rt
+        rt.check_running()
+        dest = rt.worker_info(to).id
+        tname = func.__qualname__ if isinstance(func, type) else "object"
+        frames, forks = self.dumps_call(func, args, kwargs, dest)
+        fork_data = tuple(ForkData.from_wire(f) for f in forks)
+        if dest == rt.info.id:
+            rec = rt.ctx.new_local_owner(_NO_VALUE, tname)
+            msg = RemoteRequest(dest, rec.rref_id, rec.rref_id, tname, fork_data)
+            rrefs = self.rrefs_from_forks(fork_data, dest)
+            rt.lifecycle.track_call(+1, dest)
+            rt.pool.submit(rt.callee.run_call, dest, msg, 0, frames, rrefs, rec)
+            return RRef._from_owner(rt, rec)
+        urec = rt.ctx.new_remote_user(dest, tname, rt.timeout(timeout))
+        if rt.options.strict_rref_leaks:
+            urec.site = creation_site()
+        msg = RemoteRequest(dest, urec.rref_id, urec.fork_id, tname, fork_data)
+        try:
+            rt.creation.send(msg, frames)
+        except transport.TransportError as e:
+            self.abort_forks(forks)
+            rt.control.perform(rt.ctx.on_remote_ret(urec.fork_id, translate(e, "remote()")))
+            raise translate(e, "remote()") from None
+        return RRef._from_user(rt, urec)
+
+    def fetch(self, rref: RRef[Any], timeout: float) -> Future[Any]:
+        rt = self.rt
+        rec = rref._user_rec
+        assert rec is not None
+        t = rt.timeout(timeout)
+        if not rec.confirmed and rec.creation_deadline is not None:
+            left = rec.creation_deadline - time.monotonic()
+            t = max(0.001, min(t, left)) if t > 0 else max(0.001, left)
+        fut: Future[Any] = Future()
+        fut._callback_pool = rt.callbacks
+        if not rec.confirmed:  # fails at once if the creation turns out lost
+            rt.creation.add_fetch(rec.fork_id, fut)
+        msg = Fetch(rec.owner, rec.rref_id, rec.fork_id)
+        self.send_request(msg, [], t, fut, f"to_here() of {rref!r}", [], repr(rref))
+        return fut
+
+    def owner_value(self, rec: OwnerRecord, timeout: float) -> Any:
+        rt = self.rt
+        deadline = time.monotonic() + (timeout if timeout > 0 else 1e9)
+        if not rt.ctx.wait_value(rec, deadline):
+            raise RpcTimeoutError(f"the value of RRef {rec.rref_id} on worker {rt.info.name!r} was not created within {timeout:.3f}s")
+        if rec.state == FAILED:
+            raise fresh(rec.error)  # type: ignore[arg-type]
+        return rec.value
+
+    # ------------------------------------------------------------------ payloads
+    def dumps_call(self, func: Any, args: Any, kwargs: Any, dest: int) -> tuple[list[Any], list[Any]]:
+        if not callable(func):
+            raise TypeError(f"func must be callable, got {type(func).__name__}")
+        args = () if args is None else tuple(args)
+        kwargs = {} if kwargs is None else dict(kwargs)
+        return self.dumps((func, args, kwargs), dest)
+
+    def dumps(self, obj: Any, dest: int) -> tuple[list[Any], list[Any]]:
+        """Pickle ``obj`` for ``dest``, forking the RRefs inside; undo the forks on failure."""
+        try:
+            return ser.dumps(obj, lambda r: self.fork(r, dest), self.rt.device_map(dest))
+        except Exception as e:
+            self.abort_forks(getattr(e, "forks", []))
+            raise
+
+    def send_request(
+        self, msg: PythonCall | Fetch, frames: Any, timeout: float, fut: Future[Any], what: str,
+        forks: list[Any], owner_of: str | None = None,
+    ) -> None:
+        rt, dest = self.rt, msg.dest
+
+        def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:  # transport thread
+            try:
+                if err is not None:
+                    fut._fail(translate(err, what, owner_of))
+                    return
+                self._complete(fut, dest, m, fr)
+            finally:
+                rt.lifecycle.track_outgoing(-1)
+
+        rt.lifecycle.track_outgoing(+1)
+        try:
+            rt.transport.request(dest, msg.KIND, msg.meta(), frames, timeout, on_done, msg.NAME)
+        except transport.TransportError as e:
+            rt.lifecycle.track_outgoing(-1)
+            self.abort_forks(forks)
+            raise translate(e, what, owner_of) from None
+
+    def _complete(self, fut: Future[Any], src: int, meta: Any, frames: Sequence[Any]) -> None:
+        """Transport thread: decode the response meta once, account for the forks now,
+        decode the payload lazily."""
+        name = self.rt.worker_name(src)
+        try:
+            resp = Response.decode(meta)
+            rrefs = self.rrefs_from_forks(resp.forks, src) if resp.forks else []
+        except Exception as e:
+            fut._fail(SerializationError(f"malformed response from worker {name!r}: {e}"))
+            return
+        if resp.status == OK:
+            fut._complete_lazy(lambda: ser.loads(frames, rrefs))
+        else:
+            def raise_remote() -> Any:
+                raise ser.loads_error(frames, name)
+
+            fut._complete_lazy(raise_remote)
+
+    # ------------------------------------------------------------------ forks
+    def fork(self, rref: RRef[Any], dest: int) -> list[Any]:
+        rt = self.rt
+        if rref._rt is not rt:
+            raise RpcError(f"{rref!r} belongs to another (shut down) RPC group")
+        rref._check()
+        if rref._owner_rec is not None:
+            return rt.ctx.fork_owned(rref._owner_rec, dest).to_wire()
+        return rt.ctx.fork_user(rref._user_rec, dest).to_wire()  # type: ignore[arg-type]
+
+    def abort_forks(self, forks: list[Any]) -> None:
+        """The message carrying these forks (wire form) was never sent."""
+        for f in forks:
+            self.rt.control.perform(self.rt.ctx.abort_fork(ForkData.from_wire(f)))
+
+    def rrefs_from_forks(self, forks: Sequence[ForkData], src: int) -> list[RRef[Any]]:
+        """RRef objects for the forks a message from ``src`` carried (no user code); the
+        protocol messages this implies go to the control thread."""
+        rt = self.rt
+        out = []
+        strict = rt.options.strict_rref_leaks
+        for data in forks:
+            rec, actions = rt.ctx.on_fork_received(data, src)
+            if isinstance(rec, OwnerRecord):
+                out.append(RRef._from_owner(rt, rec))
+            else:
+                if strict:
+                    rec.site = f"received from worker {rt.worker_name(src)!r}"
+                out.append(RRef._from_user(rt, rec))
+            rt.control.perform(actions)
+        return out

@@ -1,0 +1,357 @@
+"""The runtime without processes: two or three Runtimes in this process, joined by the
+in-process fake transport (transport/inproc.py). Unit tests of logic only; features are
+tested with real processes and sockets elsewhere.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+
+import rrefrt
+from rrefrt import state
+from rrefrt.control import ControlLoop, Dropped, Incoming, Perform, Sync
+from rrefrt.creation import ACCEPT_DELAY_S
+from rrefrt.errors import OwnerDiedError, RRefCreationError, WorkerUnavailableError
+from rrefrt.ids import ForkId, RRefId
+from rrefrt.messages import Fetch, ForkRequest, RemoteRequest, Response, UserDelete
+from rrefrt.options import RpcBackendOptions, WorkerInfo
+from rrefrt.runtime import Runtime
+from tests.support import poll_for
+from transport.base import PeerAddress, PeerSpec
+from transport.inproc import InprocHub
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Group:
+    """n runtimes on one hub; ``as_worker(i)`` binds the test thread to runtime i."""
+
+    def __init__(self, n: int, **options: Any) -> None:
+        self.hub = InprocHub()
+        infos = [WorkerInfo(f"w{i}", i) for i in range(n)]
+        specs = [PeerSpec(i, f"w{i}", 0, PeerAddress("inproc")) for i in range(n)]
+        self.rts: list[Runtime] = []
+        for info in infos:
+            opts = RpcBackendOptions(rpc_timeout=10.0, **options)
+            rt = Runtime(info, opts, lambda on_msg, on_dead, i=info.id, name=info.name: self.hub.transport(i, name, on_msg, on_dead))
+            rt.set_world(infos)
+            rt.transport.connect_peers(specs, 1.0)
+            rt.transport.start()
+            self.rts.append(rt)
+
+    def as_worker(self, i: int) -> Any:
+        return state.bound(self.rts[i])
+
+    def close(self) -> None:
+        for rt in self.rts:
+            rt.close()
+        self.hub.close()
+
+
+@pytest.fixture
+def group() -> Iterator[Group]:
+    g = Group(3)
+    yield g
+    g.close()
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def whoami() -> str:
+    return rrefrt.get_worker_info().name
+
+
+class Box:
+    def __init__(self, v: Any) -> None:
+        self.v = v
+
+    def get(self) -> Any:
+        return self.v
+
+
+def forward(rref: Any) -> Any:
+    """On a user: passes the RRef on (user -> user fork) and reads it there."""
+    return rref.to_here().v
+
+
+def read_on(dest: str, rref: Any) -> Any:
+    return rrefrt.rpc_sync(dest, forward, args=(rref,))
+
+
+CALLS: list[int] = []
+STARTED, RELEASE = threading.Event(), threading.Event()
+
+
+def hang() -> None:
+    STARTED.set()
+    RELEASE.wait(10)
+
+
+def record(x: int) -> None:
+    CALLS.append(x)
+
+
+def fail_holding(rref: Any) -> None:
+    """Raises with the RRef argument in a frame that is part of a reference cycle (the
+    error's traceback holds this frame, whose locals hold the error)."""
+    err = ValueError("failed holding an RRef")
+    holder = [err, rref]
+    raise holder[0]
+
+
+def boom() -> None:
+    raise ValueError("boom from the callee")
+
+
+# ------------------------------------------------------------------ rpc
+def test_rpc_between_runtimes_in_one_process(group: Group) -> None:
+    with group.as_worker(0):
+        assert rrefrt.rpc_sync("w1", add, args=(1, 2)) == 3
+        assert rrefrt.rpc_async("w2", whoami).wait() == "w2"  # user code on w2 sees w2
+        with pytest.raises(ValueError, match="boom from the callee"):
+            rrefrt.rpc_sync("w1", boom)
+    with group.as_worker(1):
+        assert rrefrt.rpc_sync("w1", whoami) == "w1"  # a call to itself
+
+
+def test_remote_and_to_here_answer_once(group: Group) -> None:
+    """NOTE [Creation acks]: a quick creation is answered once, accept and result together
+    (no REMOTE_RET), and a slow one gets an accept, then REMOTE_RET."""
+    w0, w1 = group.rts[0], group.rts[1]
+    sent0 = w1.transport.stats["messages_sent"]
+    with group.as_worker(0):
+        rref = rrefrt.remote("w1", Box, args=(7,))
+        assert rref.to_here().v == 7
+        poll_for(lambda: rref.confirmed_by_owner(), 5)
+        assert rref.rpc_sync().get() == 7
+    # w1 sent: the creation's single answer (no REMOTE_RET), the fetch's answer, and for
+    # the proxy call (the RRef travels back to its owner) a ChildAccept and the answer
+    assert w1.transport.stats["messages_sent"] - sent0 == 4
+    assert not w1.creation.accepts and not w0.creation.fetches
+    del rref
+    gc.collect()
+    poll_for(lambda: w1.ctx.counts()["num_owner_rrefs"] == 0, 5, "the owner released the value")
+
+
+def test_remote_error_is_raised_by_to_here(group: Group) -> None:
+    with group.as_worker(0):
+        rref = rrefrt.remote("w2", boom)
+        with pytest.raises(ValueError, match="boom from the callee"):
+            rref.to_here()
+
+
+def test_forks_user_to_user(group: Group) -> None:
+    """w0 holds a user of an RRef owned by w1 and sends it to w2, which reads it: the fork
+    request / child accept dance, then everything is released."""
+    w0, w1, w2 = group.rts
+    with group.as_worker(0):
+        rref = rrefrt.remote("w1", Box, args=("shared",))
+        assert rrefrt.rpc_sync("w2", forward, args=(rref,)) == "shared"
+        assert rrefrt.rpc_sync("w2", read_on, args=("w0", rref)) == "shared"  # w0 -> w2 -> w0
+        del rref
+    gc.collect()
+    for rt in group.rts:
+        rt.sync_control(time.monotonic() + 5)
+
+    def clean() -> bool:
+        gc.collect()
+        return all(
+            rt.ctx.counts() == dict.fromkeys(rt.ctx.counts(), 0) for rt in (w0, w1, w2)
+        )
+
+    poll_for(clean, 10, lambda: f"left over: {[rt.ctx.counts() for rt in group.rts]}")
+    for rt in group.rts:
+        rt.ctx.validate()
+
+
+def test_owner_sends_its_rref_to_itself_registers_a_fork(group: Group) -> None:
+    w1 = group.rts[1]
+    with group.as_worker(1):
+        rref = rrefrt.RRef(Box(3))
+        assert rrefrt.rpc_sync("w1", forward, args=(rref,)) == 3
+    poll_for(lambda: w1.ctx.counts()["num_forks"] == 0, 5, "the self-fork was dropped on arrival")
+
+
+def test_peer_death_fails_calls_and_rrefs(group: Group) -> None:
+    w0 = group.rts[0]
+    started, release = STARTED, RELEASE
+    started.clear()
+    release.clear()
+    with group.as_worker(0):
+        rref = rrefrt.remote("w2", Box, args=(1,))
+        rref.to_here()
+        fut = rrefrt.rpc_async("w2", hang)
+        poll_for(started.is_set, 5)
+        group.hub.kill(2)
+        with pytest.raises(WorkerUnavailableError, match="w2"):
+            fut.wait()
+        poll_for(lambda: 2 in w0.transport.dead_peers(), 5)
+        w0.sync_control(time.monotonic() + 5)
+        with pytest.raises(OwnerDiedError):
+            rref.to_here()
+        with pytest.raises(WorkerUnavailableError):
+            rrefrt.rpc_sync("w2", add, args=(1, 1))
+        assert rrefrt.rpc_sync("w1", add, args=(2, 2)) == 4  # the others go on
+    release.set()
+    assert w0.debug_info()["agent.dead_peers"] == 1
+
+
+def test_an_error_does_not_pin_the_rrefs_in_its_frames(group: Group) -> None:
+    """NOTE [Error frames]: the callee clears the frames of a user function's error once it
+    is answered. Before, the RRef argument stayed alive in a reference cycle until the
+    garbage collector ran (on an idle worker: never), pinning the value on its owner."""
+    w0 = group.rts[0]
+    gc.disable()  # the workers share this process: no collection may hide the cycle
+    try:
+        with group.as_worker(0):
+            rref = rrefrt.RRef(Box(1))
+            with pytest.raises(ValueError, match="failed holding"):
+                rrefrt.rpc_sync("w1", fail_holding, args=(rref,))
+            del rref
+        poll_for(lambda: w0.ctx.counts()["num_forks"] == 0, 5,
+                 lambda: f"the fork held by w1 was never deleted: {w0.ctx.counts()}")
+    finally:
+        gc.enable()
+
+
+# ------------------------------------------------------------------ malformed input
+@pytest.mark.parametrize("kind, meta", [
+    (16, 5), (16, []), (16, [["not fork data"]]), (17, [1]), (17, [[0, 1], [0, 1], 3, []]),
+    (18, ["x"]), (19, [[1]]), (19, [[0, 1], [0, 1], "p"]), (20, "x"), (21, [None, None]),
+    (22, [["a", "b"], 9]), (22, [[0, 1], 7]), (99, []), ("x", []),
+])
+def test_malformed_messages_are_counted_and_dropped(group: Group, kind: Any, meta: Any) -> None:
+    w1 = group.rts[1]
+    before = w1.debug_info()["agent.bad_frames_dropped"]
+    w1.on_message(0, kind, 1, meta, [b"never unpickled"])
+    assert w1.debug_info()["agent.bad_frames_dropped"] == before + 1
+    assert w1.ctx.counts() == dict.fromkeys(w1.ctx.counts(), 0)
+
+
+# ------------------------------------------------------------------ creation tracker
+def test_duplicate_creation_runs_once_and_is_answered_at_once(group: Group) -> None:
+    w0, w1 = group.rts[0], group.rts[1]
+    CALLS.clear()
+    rid = RRefId(0, 999)
+    answers: list[Any] = []
+
+    def on_done(meta: Any, frames: Any, err: Any) -> None:
+        answers.append(Response.decode(meta) if err is None else err)
+
+    with group.as_worker(0):
+        frames, forks = w0.caller.dumps_call(record, (1,), None, 1)
+    msg = RemoteRequest(1, rid, rid, "object", ())
+    for n in (1, 2):  # the original, then a retry (as if the first answer was lost)
+        w0.transport.request(1, msg.KIND, msg.meta(), frames, 5.0, on_done, msg.NAME)
+        poll_for(lambda: len(answers) == n, 5, lambda: f"answers {answers}")
+    assert CALLS == [1]
+    assert w1.stats["duplicate_calls_dropped"] == 1
+    # the quick creation: accepted and done in one answer; the retry: done, from the record
+    assert answers == [Response(0, (), True), Response(0, (), True)], answers
+    assert not w1.creation.accepts
+
+
+def test_lost_creation_fails_waiting_fetches(group: Group) -> None:
+    w0 = group.rts[0]
+    w0.control_retry_interval, w0.control_attempts = 0.05, 2
+    group.rts[0].transport.fault_hook = lambda dest, label: [] if label == "PYTHON_REMOTE" else [0.0]
+    with group.as_worker(0):
+        rref = rrefrt.remote("w1", Box, args=(1,))
+        fut = rref.to_here_async(timeout=5)
+        with pytest.raises(RRefCreationError, match="never acknowledged"):
+            fut.wait()
+    assert not w0.creation.fetches
+
+
+def test_slow_creation_is_accepted_then_settled_by_remote_ret(group: Group) -> None:
+    w1 = group.rts[1]
+    with group.as_worker(0):
+        rref = rrefrt.remote("w1", time.sleep, args=(ACCEPT_DELAY_S * 4,))
+        poll_for(rref.confirmed_by_owner, 5, "REMOTE_RET confirmed the creation")
+        assert rref.to_here() is None
+    assert not w1.creation.accepts
+
+
+# ------------------------------------------------------------------ control items
+def test_control_items_have_one_home_thread(group: Group) -> None:
+    """Perform from another thread is enqueued; Sync is answered after what came before;
+    Release never drops a value on the control thread."""
+    w0 = group.rts[0]
+    control: ControlLoop = w0.control
+    threads: list[str] = []
+
+    class Value:
+        def __del__(self) -> None:
+            threads.append(threading.current_thread().name)
+
+    rec = w0.ctx.new_local_owner(Value(), "Value")
+    from rrefrt.messages import Release
+
+    actions = [Release(rec)]
+    del rec
+    control.perform(actions)
+    del actions
+    assert control.sync(time.monotonic() + 5)
+    gc.collect()
+    poll_for(lambda: threads, 5, "the value was dropped")
+    assert "control" not in threads[0], threads
+    assert isinstance(Dropped(ForkId(0, 1)), Dropped) and Perform([]).actions == []
+    ev = threading.Event()
+    control.put(Incoming(1, 7, Fetch(0, RRefId(0, 5), ForkId(0, 5))))
+    control.put(Sync(ev))
+    assert ev.wait(5)
+    assert w0.ctx.counts()["num_owner_rrefs"] == 1  # a placeholder waits for the creation
+
+
+def test_fork_request_is_acked_and_registered(group: Group) -> None:
+    w1 = group.rts[1]
+    rid, fid = RRefId(1, 50), ForkId(2, 3)
+    acked: list[Any] = []
+    msg = ForkRequest(1, rid, fid, 0)
+    group.rts[2].transport.request(1, msg.KIND, msg.meta(), [], 5.0, lambda m, f, e: acked.append((m, e)), msg.NAME)
+    poll_for(lambda: acked, 5)
+    assert acked[0][1] is None and w1.ctx.forks[rid] == {fid: 2}
+    d = UserDelete(1, rid, fid)
+    group.rts[2].transport.request(1, d.KIND, d.meta(), [], 5.0, lambda m, f, e: acked.append((m, e)), d.NAME)
+    poll_for(lambda: len(acked) == 2, 5)
+    assert rid not in w1.ctx.forks and fid in w1.ctx.deleted_forks
+
+
+# ------------------------------------------------------------------ the inproc transport itself
+def test_inproc_transport_is_a_transport_and_calls_back_on_the_hub_thread() -> None:
+    from transport import base
+
+    hub = InprocHub()
+    try:
+        seen: list[tuple[str, Any]] = []
+        a = base.create(base.TransportConfig(0, "a", 0, kind="inproc", extra={"hub": hub}),
+                        lambda *m: None, lambda p, c: seen.append(("dead", p)))
+        b = hub.transport(1, "b", lambda src, kind, mid, meta, frames: (
+            seen.append(("msg", (threading.current_thread().name, meta, frames))), b.respond(src, mid, ["ok"])),
+            lambda p, c: None)
+        assert isinstance(a, base.Transport) and isinstance(b, base.Transport)
+        a.connect_peers([PeerSpec(1, "b", 0, PeerAddress("inproc"))], 1.0)
+        done: list[Any] = []
+        a.request(1, 16, (1, (2, 3)), [memoryview(b"xy")], 5.0, lambda m, f, e: done.append((m, f, e)), "PYTHON_CALL")
+        poll_for(lambda: done, 5)
+        assert done == [(["ok"], [], None)]
+        name, meta, frames = seen[0][1]
+        assert "hub" in name and meta == [1, [2, 3]] and frames == [b"xy"]  # msgpack-like copies
+        a.fault_hook = lambda dest, label: []  # drop everything
+        a.request(1, 16, [], [], 0.2, lambda m, f, e: done.append(e), "PYTHON_CALL")
+        poll_for(lambda: len(done) == 2, 5)
+        assert "no response" in str(done[1])
+        a.fault_hook = None
+        a.request(1, 16, [], [], 0, lambda m, f, e: done.append(e), "PYTHON_CALL")  # no deadline
+        hub.kill(1)
+        poll_for(lambda: ("dead", 1) in seen, 5)
+        assert a.dead_peers() == {1} and not a.is_alive(1)
+    finally:
+        hub.close()
