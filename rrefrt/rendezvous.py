@@ -112,7 +112,7 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
     """Arguments win over the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, or
     the SLURM / Open MPI equivalents). A rank outside [0, world_size) is reported by the
     rendezvous (so that the other workers learn it too), not here."""
-    env = resolve_env(os.environ)
+    env = resolve_env(os.environ, check_rank=False)
     file_path = None
     if init_method.startswith("tcp://"):
         url = urlparse(init_method)
@@ -372,9 +372,25 @@ class Rendezvous:
                     break
             if problem:
                 break
+        if problem is None:
+            problem = self._held_by_running_group(me, near)
         if problem:
             self.store.set(self.key("abort"), problem.encode())
             raise RendezvousError(problem)
+
+    def _held_by_running_group(self, me: _Ticket, near: list[_Ticket]) -> str | None:
+        """A late duplicate: another process holds our rank in the previous generation,
+        which neither left (no leave barrier) nor failed (no abort)."""
+        for t in near:
+            if (t.world_size == me.world_size and t.gen == me.gen - 1 and t.rank == me.rank
+                    and (t.pid, t.host) != (me.pid, me.host)):
+                prev = f"rpc/{t.gen}/"
+                if not self.store.check([prev + f"barrier/leave/{t.rank}"]) and not self.store.check([prev + "abort"]):
+                    return (
+                        f"duplicate rank {me.rank}: two processes claimed it, {t.who()} (in the running group) "
+                        f"and {me.who()}; give every process its own rank (RANK)"
+                    )
+        return None
 
     def _validate(self, records: list[Record], mine: Record) -> None:
         by_name: dict[str, Record] = {}

@@ -428,7 +428,13 @@ class StoreServer:
 
     @property
     def connections(self) -> int:
+        """Open connections (authenticated or not)."""
         return len(self._conns)
+
+    @property
+    def parked(self) -> int:
+        """GET/WAIT requests waiting for their keys."""
+        return sum(1 for c in list(self._conns.values()) if c.parked is not None)
 
     def close(self) -> None:
         """Stop serving: parked requests are answered CLOSED, connections and the port are
