@@ -99,7 +99,7 @@ def init_rpc(
             if os.environ.get("RREFRT_NO_IPC") != "1":
                 ipc = rt.agent.bind(f"ipc:///tmp/rrefrt-{os.getpid()}-{secrets.token_hex(6)}.sock")
             rt.agent.start()
-            rdzv = Rendezvous(spec, options.init_timeout, secret)
+            rdzv = Rendezvous(spec, options.init_timeout, secret, name)
             endpoints = {"tcp": tcp, "ipc": ipc} if ipc else {"tcp": tcp}
             me = Record(name, spec.rank, spec.world_size, incarnation, {"host": host_id(), "endpoints": endpoints}, {})
             records = rdzv.join(me, deadline)

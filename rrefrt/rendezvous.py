@@ -50,7 +50,7 @@ from urllib.parse import unquote, urlparse
 import msgpack
 
 from .environment import resolve_env
-from .errors import RpcError
+from .errors import AuthenticationError, RpcError, ShutdownError
 from .store import PortInUseError, StoreAuthError, StoreClient, StoreClosed, StoreError, StoreServer
 from .torch_store import TorchStore, agent_store, default_group_store, file_store
 
@@ -58,6 +58,8 @@ log = logging.getLogger("rrefrt.rendezvous")
 
 #: how long a worker whose store closed under it during join waits for the next store
 _RECONNECT_S = 10.0
+#: how long a refused store client may stay unexplained while ranks are missing
+_AUTH_GRACE = 2.0
 #: a probe of an occupied port: how long to wait for an rrefrt store's greeting
 _PROBE_S = 2.0
 
@@ -206,8 +208,11 @@ class _Ticket:
 
 
 class Rendezvous:
-    def __init__(self, spec: GroupSpec, timeout: float, secret: str | bytes | None = None) -> None:
+    def __init__(self, spec: GroupSpec, timeout: float, secret: str | bytes | None = None, name: str = "") -> None:
         self.spec = spec
+        self._name = name
+        self._me = f"worker {name!r} (rank {spec.rank}, pid {os.getpid()} on {socket.gethostname()})"
+        self._auth_seen: float | None = None
         self.server: StoreServer | None = None
         self._secret = secret
         self._seen: set[str] = set()
@@ -219,6 +224,9 @@ class Rendezvous:
         try:
             # an invalid rank is reported to the group if its store answers within 2 s
             self.store = self._open(timeout if valid else min(2.0, timeout))
+        except StoreAuthError as e:
+            self.close()
+            raise AuthenticationError(f"{self._me} could not join the rendezvous store: {e}; see docs/security.md") from None
         except Exception:
             self.close()
             if valid:
@@ -228,7 +236,7 @@ class Rendezvous:
             msg = f"rank must be in [0, world_size); got rank={spec.rank}, world_size={spec.world_size}"
             if self.store is not None:
                 try:
-                    self._post_ticket(f"rank{spec.rank}")
+                    self._post_ticket(self._name or f"rank{spec.rank}")
                     self.store.set(self.key("abort"), f"{self._tickets[self._n].who()}: {msg}".encode())
                 except Exception:
                     pass
@@ -247,15 +255,16 @@ class Rendezvous:
             return agent_store(spec.master_addr, spec.master_port, timeout)
         if env.get("RREFRT_STORE_HOSTED") == "1":
             # rrefrt-run's store: authenticated once the launcher passes it the secret
-            return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, require_auth=False)
+            return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, False, self._me)
         if spec.rank == 0:
             try:
-                self.server = StoreServer(spec.master_addr, spec.master_port, secret=self._secret)
+                self.server = StoreServer(spec.master_addr, spec.master_port, secret=self._secret,
+                                          label=f"worker {self._name!r} (rank 0)")
             except PortInUseError as e:
                 return self._probe_occupied(e)
         else:
             self._may_reconnect = True
-        return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret)
+        return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, identity=self._me)
 
     def _probe_occupied(self, err: PortInUseError) -> StoreClient:
         """Rank 0 could not bind: if an rrefrt store holds the port (another rank 0, of this
@@ -263,7 +272,7 @@ class Rendezvous:
         claimants; otherwise the port is simply in use."""
         spec = self.spec
         try:
-            return StoreClient(spec.master_addr, spec.master_port, _PROBE_S, self._secret)
+            return StoreClient(spec.master_addr, spec.master_port, _PROBE_S, self._secret, identity=self._me)
         except StoreAuthError:
             raise
         except StoreError:
@@ -290,7 +299,8 @@ class Rendezvous:
                 self.store.close()
                 self._tickets.clear()
                 try:
-                    self.store = StoreClient(self.spec.master_addr, self.spec.master_port, max(0.0, left), self._secret)
+                    self.store = StoreClient(self.spec.master_addr, self.spec.master_port, max(0.0, left), self._secret,
+                                             identity=self._me)
                 except StoreError as e2:
                     raise RendezvousError(
                         f"{self._where(record)}; the store closed under it and no store came back within "
@@ -378,6 +388,26 @@ class Rendezvous:
             self.store.set(self.key("abort"), problem.encode())
             raise RendezvousError(problem)
 
+    def _check_auth_failures(self) -> None:
+        """The host of the store: a client refused for its secret while ranks are still
+        missing 2 s later (_AUTH_GRACE: a stray connection cannot abort a join that
+        completes) fails the join on every worker, naming the refused process."""
+        if self.server is None or not self.server.auth_failures:
+            return
+        now = time.monotonic()
+        if self._auth_seen is None:
+            self._auth_seen = now
+        if now - self._auth_seen < _AUTH_GRACE:
+            return
+        who = self.server.auth_failures[-1][1]
+        msg = (
+            f"{who} was refused by the rendezvous store of {self._me}: it does not have this job's secret "
+            "(or has another one). Every worker must use the same RREFRT_SECRET or RpcBackendOptions(secret=...), "
+            "or none may; see docs/security.md"
+        )
+        self.store.set(self.key("abort"), msg.encode())
+        raise AuthenticationError(msg, [who])
+
     def _held_by_running_group(self, me: _Ticket, near: list[_Ticket]) -> str | None:
         """A late duplicate: another process holds our rank in the previous generation,
         which neither left (no leave barrier) nor failed (no abort)."""
@@ -429,6 +459,7 @@ class Rendezvous:
                 raise RendezvousError(self.store.get(self.key("abort"), 1.0).decode(errors="replace"))
             if conflicts:
                 self._check_conflicts()
+                self._check_auth_failures()
             left = deadline - time.monotonic()
             if left <= 0:
                 return pending
@@ -439,13 +470,27 @@ class Rendezvous:
         ranks or a callable returning the current set, re-evaluated on every poll (so a
         death while waiting releases the barrier at once). Returns the ranks that never
         arrived."""
-        self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
-        keys = [f"barrier/{phase}/{r}" for r in range(world_size)]
-        missing = self._wait_keys(keys, deadline, dead)
+        try:
+            self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
+            keys = [f"barrier/{phase}/{r}" for r in range(world_size)]
+            missing = self._wait_keys(keys, deadline, dead)
+        except StoreError as e:
+            raise self._barrier_failed(phase, e) from None
         return [int(k.rsplit("/", 1)[1]) for k in missing]
 
     def arrive(self, phase: str, rank: int) -> None:
-        self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
+        try:
+            self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
+        except StoreError as e:
+            raise self._barrier_failed(phase, e) from None
+
+    def _barrier_failed(self, phase: str, e: StoreError) -> ShutdownError:
+        spec = self.spec
+        where = spec.file_path or f"{spec.master_addr}:{spec.master_port}"
+        return ShutdownError(
+            f"the shutdown barrier {phase!r} could not complete: the rendezvous store at {where} "
+            f"(hosted by rank 0 or the launcher) failed - its host may have died or left: {e}"
+        )
 
     def _get(self, suffix: str) -> Record:
         return Record.from_wire(self.store.get(self.key(suffix), 5.0))

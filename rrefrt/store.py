@@ -25,6 +25,7 @@ Wire format (one TCP connection per client, requests answered in order)::
     frame    = u32 length | u8 head | field*         field = u32 length | bytes
     hello    (server, first)  head 0, fields: b"rrefrt-store/2", nonce_s, b"1" if auth else b"0"
     auth     (client, if auth) head 0, fields: nonce_c, HMAC(secret, "client" nonce_s nonce_c)
+                               (empty without a secret), identity (text, for error messages)
              (server answer)   status 0, field HMAC(secret, "server" nonce_s nonce_c) / status 2
     request  head = op;     response head = status: 0 ok, 1 timeout, 2 error, 3 store closed
 
@@ -161,9 +162,18 @@ class StoreServer:
     """Serves the store on ``host:port`` from one daemon thread until ``close()``."""
 
     def __init__(
-        self, host: str, port: int, secret: str | bytes | None = None, limits: StoreLimits | None = None
+        self,
+        host: str,
+        port: int,
+        secret: str | bytes | None = None,
+        limits: StoreLimits | None = None,
+        label: str = "",
     ) -> None:
         self._secret = _secret_bytes(secret)
+        #: who hosts the store (e.g. "worker 'w0' (rank 0)"), named to refused clients
+        self.label = label
+        #: (monotonic time, the identity a refused client claimed): the latest 16
+        self.auth_failures: list[tuple[float, str]] = []
         self.limits = limits or StoreLimits()
         self._data: dict[bytes, bytes] = {}  #: key -> value; keys stay until deleted
         self._bytes = 0
@@ -265,7 +275,7 @@ class StoreServer:
 
     def _process(self, c: _Conn) -> None:
         lim = self.limits
-        max_frame = lim.max_key_bytes + lim.max_value_bytes + 64 if c.authed else 256
+        max_frame = lim.max_key_bytes + lim.max_value_bytes + 64 if c.authed else 1024
         while c.parked is None and c.sock in self._conns and len(c.inbuf) >= 4:
             (n,) = _U32.unpack_from(c.inbuf, 0)
             if n == 0 or n > max_frame:
@@ -291,14 +301,18 @@ class StoreServer:
 
     def _handshake(self, c: _Conn, fields: list[bytes]) -> None:
         assert self._secret is not None
-        if len(fields) == 2 and len(fields[0]) == 32:
+        if len(fields) >= 2 and len(fields[0]) == 32:
             expect = _proof(self._secret, b"client", c.nonce, fields[0])
             if hmac.compare_digest(expect, fields[1]):
                 c.authed = True
                 self._send(c, _OK, [_proof(self._secret, b"server", c.nonce, fields[0])])
                 return
-        log.warning("rendezvous store: %s failed to authenticate (no or wrong job secret)", c.peer)
-        self._send(c, _ERROR, [b"authentication failed: this store needs the job secret"])
+        # the identity is the client's unauthenticated claim: used in messages only
+        who = fields[2].decode(errors="replace")[:300] if len(fields) >= 3 and fields[2] else f"a client at {c.peer}"
+        log.warning("rendezvous store: %s failed to authenticate (no or wrong job secret)", who)
+        self.auth_failures = self.auth_failures[-15:] + [(time.monotonic(), who)]
+        host = f" of {self.label}" if self.label else ""
+        self._send(c, _ERROR, [f"authentication failed: the rendezvous store{host} needs the job secret".encode()])
         self._flush(c)
         self._drop(c)
 
@@ -467,8 +481,10 @@ class StoreClient:
         connect_timeout: float = 30.0,
         secret: str | bytes | None = None,
         require_auth: bool | None = None,
+        identity: str = "",
     ) -> None:
         self.host, self.port = host, port
+        self._identity = identity
         self._lock = threading.Lock()
         self._secret = _secret_bytes(secret)
         self._require = (self._secret is not None) if require_auth is None else require_auth
@@ -518,21 +534,24 @@ class StoreClient:
                     "has no secret; give every process the same RREFRT_SECRET"
                 )
             return
-        if self._secret is None:
-            raise StoreAuthError(
-                f"the rendezvous store at {where} requires the job secret and this process has none: set the "
-                "same RREFRT_SECRET (or RpcBackendOptions(secret=...)) on every worker"
-            )
         nonce_c = os.urandom(32)
-        self._sock.sendall(_pack(0, [nonce_c, _proof(self._secret, b"client", nonce_s, nonce_c)]))
+        # without a secret, still answer (with no proof) so the store can name us in its error
+        proof = _proof(self._secret, b"client", nonce_s, nonce_c) if self._secret is not None else b""
+        self._sock.sendall(_pack(0, [nonce_c, proof, self._identity.encode()[:300]]))
         try:
             status, out = _unpack(_recv_frame(self._sock))
         except (OSError, ConnectionError, ValueError, struct.error):
             status, out = _ERROR, []
+        said = out[0].decode(errors="replace") if status != _OK and out else "authentication failed"
+        if self._secret is None:
+            raise StoreAuthError(
+                f"{said} (at {where}) and this process has none: set the same RREFRT_SECRET "
+                "(or RpcBackendOptions(secret=...)) on every worker"
+            )
         if status != _OK or not out or not hmac.compare_digest(out[0], _proof(self._secret, b"server", nonce_s, nonce_c)):
             raise StoreAuthError(
-                f"the rendezvous store at {where} refused this process's job secret (or failed to prove it has "
-                "the same one): every worker must use the same RREFRT_SECRET / RpcBackendOptions(secret=...)"
+                f"{said} (at {where}): it refused this process's job secret (or failed to prove it has the same "
+                "one); every worker must use the same RREFRT_SECRET / RpcBackendOptions(secret=...)"
             )
 
     def _call(self, op: int, fields: list[bytes], wait_s: float = 0.0) -> tuple[int, list[bytes]]:

@@ -62,10 +62,11 @@ def test_a_client_without_or_with_a_wrong_secret_is_refused_and_cannot_write(ser
     s = server(secret="job-secret")
     good = StoreClient("127.0.0.1", s.port, 5, secret="job-secret")
     good.set("worker/1", b"real")
-    with pytest.raises(StoreAuthError, match="requires the job secret"):
-        StoreClient("127.0.0.1", s.port, 2)
-    with pytest.raises(StoreAuthError, match="refused"):
+    with pytest.raises(StoreAuthError, match="needs the job secret .* this process has none"):
+        StoreClient("127.0.0.1", s.port, 2, identity="worker 'x'")
+    with pytest.raises(StoreAuthError, match="refused this process's job secret"):
         StoreClient("127.0.0.1", s.port, 2, secret="guess")
+    assert s.auth_failures[0][1] == "worker 'x'" and s.auth_failures[1][1].startswith("a client at 127.0.0.1:")
     # a raw client that skips the handshake and sends a SET: dropped, nothing written
     raw = socket.create_connection(("127.0.0.1", s.port), timeout=5)
     body = bytes([1]) + struct.pack("!I", 8) + b"worker/1" + struct.pack("!I", 6) + b"forged"
