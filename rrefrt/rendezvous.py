@@ -219,6 +219,8 @@ class Rendezvous:
         self._tickets: dict[int, _Ticket] = {}
         #: a client of a store that rank 0 hosts: it may retire under us (re-initialisation)
         self._may_reconnect = False
+        #: the store is rrefrt's own, hosted by rank 0 (set by _open)
+        self._rank0_store = False
         self.store: Any = None
         valid = 0 <= spec.rank < spec.world_size
         try:
@@ -256,6 +258,7 @@ class Rendezvous:
         if env.get("RREFRT_STORE_HOSTED") == "1":
             # rrefrt-run's store: authenticated once the launcher passes it the secret
             return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, False, self._me)
+        self._rank0_store = True
         if spec.rank == 0:
             try:
                 self.server = StoreServer(spec.master_addr, spec.master_port, secret=self._secret,
@@ -382,7 +385,7 @@ class Rendezvous:
                     break
             if problem:
                 break
-        if problem is None:
+        if problem is None and self._rank0_store:
             problem = self._held_by_running_group(me, near)
         if problem:
             self.store.set(self.key("abort"), problem.encode())
@@ -410,7 +413,10 @@ class Rendezvous:
 
     def _held_by_running_group(self, me: _Ticket, near: list[_Ticket]) -> str | None:
         """A late duplicate: another process holds our rank in the previous generation,
-        which neither left (no leave barrier) nor failed (no abort)."""
+        which neither left (no leave barrier) nor failed (no abort). Only asked of a store
+        that rank 0 hosts: it lives as long as one group, so a second generation in it is
+        always a conflict (stores that outlive groups - the launcher's, torch's - also see
+        generations of workers that crashed and were restarted)."""
         for t in near:
             if (t.world_size == me.world_size and t.gen == me.gen - 1 and t.rank == me.rank
                     and (t.pid, t.host) != (me.pid, me.host)):

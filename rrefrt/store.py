@@ -1,8 +1,8 @@
 """A small key-value store for rendezvous and barriers (standard library only).
 
 Owns: the store server (hosted by rank 0, or by ``rrefrt-run`` on the master node) and
-its client. Imports only the standard library and ``rrefrt.errors`` (a leaf): the launcher
-uses it.
+its client. Imports only the standard library and ``rrefrt.store_wire`` (framing, errors, limits;
+itself standard library plus the leaf ``rrefrt.errors``): the launcher uses it.
 
 It offers the subset of ``torch.distributed.TCPStore`` that rrefrt needs - ``set``,
 ``get``, ``add``, ``wait``, ``check`` and ``delete_key`` - and every blocking call takes
@@ -41,7 +41,6 @@ Wire format (one TCP connection per client, requests answered in order)::
 from __future__ import annotations
 
 import errno
-import hashlib
 import hmac
 import logging
 import os
@@ -50,9 +49,12 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
 
-from .errors import AuthenticationError, RpcError, RpcTimeoutError
+from .store_wire import (
+    _ADD, _CHECK, _CLOSED, _DELETE, _ERROR, _GET, _HANDSHAKE_S, _MAGIC, _OK, _SET, _TIMEOUT, _U32, _WAIT,
+    PortInUseError, StoreAuthError, StoreClosed, StoreError, StoreLimits, StoreTimeout,
+    pack, proof, recv_frame, secret_bytes, unpack,
+)
 
 __all__ = [
     "StoreClient",
@@ -66,81 +68,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("rrefrt.store")
-
-_U32 = struct.Struct("!I")
-_SET, _GET, _ADD, _WAIT, _CHECK, _DELETE = 1, 2, 3, 4, 5, 6
-_OK, _TIMEOUT, _ERROR, _CLOSED = 0, 1, 2, 3
-_MAGIC = b"rrefrt-store/2"
-_HANDSHAKE_S = 10.0  #: a connection must finish its handshake within this time
-
-
-class StoreError(RpcError):
-    """The store could not be reached or answered badly."""
-
-
-class StoreTimeout(StoreError, RpcTimeoutError):
-    """A key did not appear (or the store did not answer) within the timeout."""
-
-
-class StoreClosed(StoreError):
-    """The store closed (its host left or retired it) while this client used it."""
-
-
-class StoreAuthError(StoreError, AuthenticationError):
-    """The store and this client do not share the job secret."""
-
-
-class PortInUseError(StoreError, OSError):
-    """The rendezvous port is already taken by another process (errno EADDRINUSE)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.errno = errno.EADDRINUSE
-        self.strerror = message
-
-    def __str__(self) -> str:
-        return self.strerror
-
-
-@dataclass(frozen=True)
-class StoreLimits:
-    """Caps that keep one client from exhausting the store host's memory or threads."""
-
-    max_connections: int = 1024
-    max_key_bytes: int = 4096
-    max_value_bytes: int = 1 << 20
-    max_keys: int = 100_000
-    max_total_bytes: int = 64 << 20
-
-
-def _secret_bytes(secret: str | bytes | None) -> bytes | None:
-    if secret is None or secret == "" or secret == b"":
-        return None
-    return secret.encode() if isinstance(secret, str) else bytes(secret)
-
-
-def _proof(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
-    return hmac.new(secret, b"rrefrt-store-auth\0" + role + b"\0" + nonce_s + nonce_c, hashlib.sha256).digest()
-
-
-def _pack(head: int, fields: list[bytes]) -> bytes:
-    body = bytearray([head])
-    for f in fields:
-        body += _U32.pack(len(f))
-        body += f
-    return _U32.pack(len(body)) + bytes(body)
-
-
-def _unpack(body: bytes) -> tuple[int, list[bytes]]:
-    head, pos, fields = body[0], 1, []
-    while pos < len(body):
-        (n,) = _U32.unpack_from(body, pos)
-        pos += 4
-        if pos + n > len(body):
-            raise ValueError("truncated store field")
-        fields.append(body[pos : pos + n])
-        pos += n
-    return head, fields
 
 
 class _Conn:
@@ -169,7 +96,7 @@ class StoreServer:
         limits: StoreLimits | None = None,
         label: str = "",
     ) -> None:
-        self._secret = _secret_bytes(secret)
+        self._secret = secret_bytes(secret)
         #: who hosts the store (e.g. "worker 'w0' (rank 0)"), named to refused clients
         self.label = label
         #: (monotonic time, the identity a refused client claimed): the latest 16
@@ -287,7 +214,7 @@ class StoreServer:
             body = bytes(c.inbuf[4 : 4 + n])
             del c.inbuf[: 4 + n]
             try:
-                op, fields = _unpack(body)
+                op, fields = unpack(body)
             except (ValueError, struct.error):
                 self._drop(c)
                 return
@@ -302,10 +229,10 @@ class StoreServer:
     def _handshake(self, c: _Conn, fields: list[bytes]) -> None:
         assert self._secret is not None
         if len(fields) >= 2 and len(fields[0]) == 32:
-            expect = _proof(self._secret, b"client", c.nonce, fields[0])
+            expect = proof(self._secret, b"client", c.nonce, fields[0])
             if hmac.compare_digest(expect, fields[1]):
                 c.authed = True
-                self._send(c, _OK, [_proof(self._secret, b"server", c.nonce, fields[0])])
+                self._send(c, _OK, [proof(self._secret, b"server", c.nonce, fields[0])])
                 return
         # the identity is the client's unauthenticated claim: used in messages only
         who = fields[2].decode(errors="replace")[:300] if len(fields) >= 3 and fields[2] else f"a client at {c.peer}"
@@ -386,7 +313,7 @@ class StoreServer:
                 self._drop(c)
 
     def _send(self, c: _Conn, status: int, fields: list[bytes]) -> None:
-        c.outbuf += _pack(status, fields)
+        c.outbuf += pack(status, fields)
         self._flush(c)
 
     def _flush(self, c: _Conn) -> None:
@@ -420,7 +347,7 @@ class StoreServer:
         for c in list(self._conns.values()):
             if c.parked is not None:  # blocked GET/WAIT requests learn that the store retired
                 c.parked = None
-                c.outbuf += _pack(_CLOSED, [b"the rendezvous store closed"])
+                c.outbuf += pack(_CLOSED, [b"the rendezvous store closed"])
             try:
                 c.sock.setblocking(True)
                 c.sock.settimeout(0.2)
@@ -486,7 +413,7 @@ class StoreClient:
         self.host, self.port = host, port
         self._identity = identity
         self._lock = threading.Lock()
-        self._secret = _secret_bytes(secret)
+        self._secret = secret_bytes(secret)
         self._require = (self._secret is not None) if require_auth is None else require_auth
         deadline = time.monotonic() + connect_timeout
         last: BaseException | None = None
@@ -516,7 +443,7 @@ class StoreClient:
         where = f"{self.host}:{self.port}"
         self._sock.settimeout(timeout)
         try:
-            head, hello = _unpack(_recv_frame(self._sock))
+            head, hello = unpack(recv_frame(self._sock))
         except socket.timeout:
             raise StoreError(f"the service at {where} is not an rrefrt rendezvous store (no greeting)") from None
         except (ConnectionError, ValueError, struct.error) as e:
@@ -536,10 +463,10 @@ class StoreClient:
             return
         nonce_c = os.urandom(32)
         # without a secret, still answer (with no proof) so the store can name us in its error
-        proof = _proof(self._secret, b"client", nonce_s, nonce_c) if self._secret is not None else b""
-        self._sock.sendall(_pack(0, [nonce_c, proof, self._identity.encode()[:300]]))
+        answer = proof(self._secret, b"client", nonce_s, nonce_c) if self._secret is not None else b""
+        self._sock.sendall(pack(0, [nonce_c, answer, self._identity.encode()[:300]]))
         try:
-            status, out = _unpack(_recv_frame(self._sock))
+            status, out = unpack(recv_frame(self._sock))
         except (OSError, ConnectionError, ValueError, struct.error):
             status, out = _ERROR, []
         said = out[0].decode(errors="replace") if status != _OK and out else "authentication failed"
@@ -548,7 +475,7 @@ class StoreClient:
                 f"{said} (at {where}) and this process has none: set the same RREFRT_SECRET "
                 "(or RpcBackendOptions(secret=...)) on every worker"
             )
-        if status != _OK or not out or not hmac.compare_digest(out[0], _proof(self._secret, b"server", nonce_s, nonce_c)):
+        if status != _OK or not out or not hmac.compare_digest(out[0], proof(self._secret, b"server", nonce_s, nonce_c)):
             raise StoreAuthError(
                 f"{said} (at {where}): it refused this process's job secret (or failed to prove it has the same "
                 "one); every worker must use the same RREFRT_SECRET / RpcBackendOptions(secret=...)"
@@ -558,8 +485,8 @@ class StoreClient:
         with self._lock:
             try:
                 self._sock.settimeout(wait_s + 10.0)
-                self._sock.sendall(_pack(op, fields))
-                status, out = _unpack(_recv_frame(self._sock))
+                self._sock.sendall(pack(op, fields))
+                status, out = unpack(recv_frame(self._sock))
             except socket.timeout:
                 raise StoreTimeout(f"rendezvous store at {self.host}:{self.port} did not answer") from None
             except (OSError, ConnectionError, ValueError, struct.error) as e:
@@ -599,20 +526,3 @@ class StoreClient:
             self._sock.close()
         except OSError:
             pass
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("store connection closed")
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket) -> bytes:
-    (n,) = _U32.unpack(_recv_exact(sock, 4))
-    if n == 0 or n > (64 << 20):
-        raise ConnectionError(f"bad store frame length {n}")
-    return _recv_exact(sock, n)
