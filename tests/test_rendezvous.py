@@ -106,7 +106,7 @@ def test_duplicate_rank_in_process_names_both_claimants():
     host.close(failed=True)
     for t in threads:
         t.join(10)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10
     errors.append(str(info.value))
     assert len(errors) == 3 and all("'first'" in e and "'second'" in e and f"pid {os.getpid()}" in e for e in errors), errors
 
@@ -183,10 +183,14 @@ def test_duplicate_rank_0_is_reported_as_a_duplicate_not_port_in_use(procs):
     t0 = time.monotonic()
     procs += [_start("join", 0, 2, port, "a"), _start("join", 0, 2, port, "b"), _start("join", 1, 2, port)]
     outs = _wait(procs, 60)
-    for code, _, out in outs:
-        assert code != 0, out
+    # both rank 0s race: if one of them and rank 1 formed the group first, the late one fails
+    # alone (the running group is unharmed); otherwise all three fail
+    failed = [out for code, _, out in outs if code != 0]
+    assert failed
+    for out in failed:
         assert "duplicate rank 0: two processes claimed it" in out and "'a' (pid" in out and "'b' (pid" in out, out
         assert "in use" not in out, out
+    assert len(failed) in (1, 3) and (len(failed) == 3 or outs[2][0] == 0), outs
     assert time.monotonic() - t0 < 25
 
 
