@@ -44,6 +44,7 @@ import errno
 import hmac
 import logging
 import os
+import resource
 import selectors
 import socket
 import struct
@@ -106,6 +107,11 @@ class StoreServer:
         self._bytes = 0
         self._conns: dict[socket.socket, _Conn] = {}
         self._closed = False
+        try:  # keep half of this process's file descriptors for everything else
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (OSError, ValueError):
+            soft = -1
+        self._max_conns = self.limits.max_connections if soft < 0 else min(self.limits.max_connections, max(16, soft // 2))
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -175,7 +181,7 @@ class StoreServer:
                 return
             except OSError:
                 return
-            if len(self._conns) >= self.limits.max_connections:
+            if len(self._conns) >= self._max_conns:
                 log.warning("rendezvous store: refusing %s, already %d connections", addr, len(self._conns))
                 s.close()
                 continue
@@ -198,6 +204,10 @@ class StoreServer:
             self._drop(c)
             return
         c.inbuf += chunk
+        if len(chunk) > 4096 and sum(len(x.inbuf) for x in self._conns.values()) > self.limits.max_total_bytes:
+            log.warning("rendezvous store: dropping %s (requests buffered over the store's byte limit)", c.peer)
+            self._drop(c)
+            return
         self._process(c)
 
     def _process(self, c: _Conn) -> None:
@@ -314,6 +324,10 @@ class StoreServer:
 
     def _send(self, c: _Conn, status: int, fields: list[bytes]) -> None:
         c.outbuf += pack(status, fields)
+        if len(c.outbuf) > 2 * self.limits.max_value_bytes + 4096:  # a client that never reads its answers
+            log.warning("rendezvous store: dropping %s (does not read its answers)", c.peer)
+            self._drop(c)
+            return
         self._flush(c)
 
     def _flush(self, c: _Conn) -> None:
@@ -375,7 +389,12 @@ class StoreServer:
     @property
     def parked(self) -> int:
         """GET/WAIT requests waiting for their keys."""
-        return sum(1 for c in list(self._conns.values()) if c.parked is not None)
+        for _ in range(5):  # read from another thread: the loop may resize the dict meanwhile
+            try:
+                return sum(1 for c in list(self._conns.values()) if c.parked is not None)
+            except RuntimeError:
+                continue
+        return -1
 
     def close(self) -> None:
         """Stop serving: parked requests are answered CLOSED, connections and the port are

@@ -193,3 +193,19 @@ def test_errors_are_in_the_rpc_error_tree():
         s.close()
     with pytest.raises(StoreTimeout, match="could not reach"):
         StoreClient("127.0.0.1", free_port(), 0.3)
+
+
+def test_partial_requests_cannot_buffer_more_than_the_byte_limit(server):
+    s = server(limits=StoreLimits(max_value_bytes=50_000, max_total_bytes=120_000))
+    socks = []
+    try:
+        for i in range(3):  # each announces a 54 000-byte request and sends 50 000 bytes of it
+            x = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+            x.sendall(struct.pack("!I", 54_000) + b"\1" * 50_000)
+            socks.append(x)
+            if i < 2:
+                poll_for(lambda: s.connections == i + 1, 5)
+        poll_for(lambda: s.connections == 2, 5, lambda: f"the third is dropped, {s.connections} kept")
+    finally:
+        for x in socks:
+            x.close()
