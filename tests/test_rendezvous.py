@@ -178,20 +178,34 @@ def test_world_size_mismatch_fails_fast_on_every_worker(procs):
     assert time.monotonic() - t0 < 25
 
 
-def test_duplicate_rank_0_is_reported_as_a_duplicate_not_port_in_use(procs):
+def test_duplicate_rank_0_is_reported_as_a_duplicate_not_port_in_use(procs, tmp_path):
     port = free_port()
+    release = str(tmp_path / "release")
     t0 = time.monotonic()
-    procs += [_start("join", 0, 2, port, "a"), _start("join", 0, 2, port, "b"), _start("join", 1, 2, port)]
-    outs = _wait(procs, 60)
+    procs += [_start("hold", 0, 2, port, n, RDZV_RELEASE=release) for n in ("a", "b")]
+    procs.append(_start("hold", 1, 2, port, RDZV_RELEASE=release))
+    joined, seen = [], {p: "" for p in procs}
+
+    def joined_or_exited(p: subprocess.Popen) -> bool:
+        line = p.stdout.readline()  # "" at EOF: the process failed and exits
+        seen[p] += line
+        if line.startswith("JOINED"):
+            joined.append(p)
+        return line == "" or line.startswith("JOINED")
+
+    for p in procs:  # each either joins (and then holds the port) or fails
+        poll_for(lambda p=p: joined_or_exited(p), 60, "joined or failed")
+    took = time.monotonic() - t0
+    open(release, "w").close()
+    outs = [(code, res, seen[p] + out) for p, (code, res, out) in zip(procs, _wait(procs, 60))]
     # both rank 0s race: if one of them and rank 1 formed the group first, the late one fails
-    # alone (the running group is unharmed); otherwise all three fail
+    # alone and the running group is unharmed; otherwise all three fail
     failed = [out for code, _, out in outs if code != 0]
-    assert failed
+    assert len(failed) in (1, 3) and len(joined) == 3 - len(failed), outs
     for out in failed:
         assert "duplicate rank 0: two processes claimed it" in out and "'a' (pid" in out and "'b' (pid" in out, out
         assert "in use" not in out, out
-    assert len(failed) in (1, 3) and (len(failed) == 3 or outs[2][0] == 0), outs
-    assert time.monotonic() - t0 < 25
+    assert took < 25
 
 
 def test_a_late_duplicate_fails_at_once_and_the_running_group_is_unharmed(procs, tmp_path):
