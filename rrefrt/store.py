@@ -23,7 +23,8 @@ NOTE [Store hardening] (issue 11 item 13)
 Wire format (one TCP connection per client, requests answered in order)::
 
     frame    = u32 length | u8 head | field*         field = u32 length | bytes
-    hello    (server, first)  head 0, fields: b"rrefrt-store/2", nonce_s, b"1" if auth else b"0"
+    hello    (server, first)  head 0, fields: b"rrefrt-store/2", nonce_s, b"1" if auth else b"0",
+                              the largest request it accepts (ascii int)
     auth     (client, if auth) head 0, fields: nonce_c, HMAC(secret, "client" nonce_s nonce_c)
                                (empty without a secret), identity (text, for error messages)
              (server answer)   status 0, field HMAC(secret, "server" nonce_s nonce_c) / status 2
@@ -191,7 +192,8 @@ class StoreServer:
             c = _Conn(s, nonce, self._secret is None, f"{addr[0]}:{addr[1]}")
             self._conns[s] = c
             self._sel.register(s, selectors.EVENT_READ, None)
-            self._send(c, _OK, [_MAGIC, nonce, b"1" if self._secret else b"0"])
+            max_frame = self.limits.max_key_bytes + self.limits.max_value_bytes + 64
+            self._send(c, _OK, [_MAGIC, nonce, b"1" if self._secret else b"0", str(max_frame).encode()])
 
     def _read(self, c: _Conn) -> None:
         try:
@@ -430,6 +432,7 @@ class StoreClient:
         identity: str = "",
     ) -> None:
         self.host, self.port = host, port
+        self._max_frame = 1 << 62  #: the largest request the store accepts (from its greeting)
         self._identity = identity
         self._lock = threading.Lock()
         self._secret = secret_bytes(secret)
@@ -469,9 +472,9 @@ class StoreClient:
             raise StoreError(f"the service at {where} is not an rrefrt rendezvous store ({e})") from None
         if head == _CLOSED:
             raise StoreClosed(f"the rendezvous store at {where} is closing")
-        if head != _OK or len(hello) != 3 or hello[0] != _MAGIC:
+        if head != _OK or len(hello) != 4 or hello[0] != _MAGIC or not hello[3].isdigit():
             raise StoreError(f"the service at {where} is not an rrefrt rendezvous store")
-        nonce_s, wants_auth = hello[1], hello[2] == b"1"
+        nonce_s, wants_auth, self._max_frame = hello[1], hello[2] == b"1", int(hello[3])
         if not wants_auth:
             if self._require:
                 raise StoreAuthError(
@@ -501,10 +504,16 @@ class StoreClient:
             )
 
     def _call(self, op: int, fields: list[bytes], wait_s: float = 0.0) -> tuple[int, list[bytes]]:
+        frame = pack(op, fields)
+        if len(frame) - 4 > self._max_frame:  # refused here: the store would drop the connection
+            raise StoreError(
+                f"request of {len(frame)} bytes is over the rendezvous store's limit ({self._max_frame} bytes: "
+                "a key or value too large)"
+            )
         with self._lock:
             try:
                 self._sock.settimeout(wait_s + 10.0)
-                self._sock.sendall(pack(op, fields))
+                self._sock.sendall(frame)
                 status, out = unpack(recv_frame(self._sock))
             except socket.timeout:
                 raise StoreTimeout(f"rendezvous store at {self.host}:{self.port} did not answer") from None

@@ -153,6 +153,7 @@ def test_reinit_with_rank_0_hosting_the_store_env_init(procs):
     for code, res, out in _wait(procs, 100):
         assert code == 0 and res is not None, out
         assert max(res["init_s"]) < 20, out
+        print(f"rank {res['rank']}: init_rpc took " + ", ".join(f"{x:.2f}" for x in res["init_s"]) + " s (3 rounds)")
 
 
 def test_smaller_world_size_fails_fast_on_every_worker(procs):
@@ -165,6 +166,7 @@ def test_smaller_world_size_fails_fast_on_every_worker(procs):
     for code, _, out in outs:
         assert code != 0 and ("world_size" in out), out
     assert all("rank 2" in out or "rank=2" in out for _, _, out in outs), outs
+    print(f"a worker with a smaller world_size: every worker failed within {took:.2f}s (process start included)")
     assert took < 25, f"took {took:.1f}s: must not wait for the init timeout (60 s)"
 
 

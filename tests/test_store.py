@@ -97,6 +97,8 @@ def test_limits_on_keys_values_and_total_bytes(server):
     c = StoreClient("127.0.0.1", s.port, 5)
     with pytest.raises(StoreError, match="value too large"):
         c.set("k", b"x" * 1001)
+    with pytest.raises(StoreError, match="over the rendezvous store's limit"):
+        c.set("k", b"x" * (64 << 20))  # refused by the client: the connection stays usable
     with pytest.raises(StoreError, match="key too long"):
         c.set("k" * 65, b"x")
     for i in range(4):
