@@ -71,7 +71,7 @@ def init_rpc(
         raise TypeError(f"rpc_backend_options must be rrefrt.RpcBackendOptions, got {type(options).__name__}")
     with _init_lock:
         if state.current_or_none() is not None:
-            raise RuntimeError("RPC is already initialized on this process; call rrefrt.shutdown() first")
+            raise RpcError("RPC is already initialized on this process; call rrefrt.shutdown() first")
         spec = resolve(options.init_method, rank, world_size)
         deadline = time.monotonic() + options.init_timeout
         incarnation = random.SystemRandom().getrandbits(63)
@@ -108,15 +108,16 @@ def init_rpc(
             if os.environ.get("RREFRT_NO_IPC") != "1":
                 ipc = rt.transport.bind(f"ipc:///tmp/rrefrt-{os.getpid()}-{secrets.token_hex(6)}.sock")
             rt.transport.start()
-            rdzv = Rendezvous(spec, options.init_timeout)
-            me = Record(name, spec.rank, spec.world_size, incarnation, tcp, ipc, host_id())
+            rdzv = Rendezvous(spec, options.init_timeout, secret, name)
+            endpoints = {"tcp": tcp, "ipc": ipc} if ipc else {"tcp": tcp}
+            me = Record(name, spec.rank, spec.world_size, incarnation, {"host": host_id(), "endpoints": endpoints}, {})
             records = rdzv.join(me, deadline)
             rt.set_world([WorkerInfo(r.name, r.rank) for r in records])
             # current before the mesh is up: a peer that finished joining first may already
             # call us, and its function may use the API
             state.set_current(rt)
             peers = [
-                transport.PeerSpec(r.rank, r.name, r.incarnation, r.ipc if (r.ipc and r.host == me.host) else r.tcp)
+                transport.PeerSpec(r.rank, r.name, r.incarnation, _endpoint(r.address, me.address))
                 for r in records
             ]
             try:
@@ -139,6 +140,11 @@ def init_rpc(
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
         log.info("worker %r (rank %d of %d) joined the group", name, spec.rank, spec.world_size)
+
+
+def _endpoint(address: dict, mine: dict) -> str:
+    eps = address["endpoints"]
+    return eps["ipc"] if eps.get("ipc") and address["host"] == mine["host"] else eps["tcp"]
 
 
 def job_secret(options: RpcBackendOptions) -> str | bytes | None:

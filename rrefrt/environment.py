@@ -76,12 +76,13 @@ def hosted_store(environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def resolve_env(environ: Mapping[str, str]) -> dict[str, str]:
+def resolve_env(environ: Mapping[str, str], check_rank: bool = True) -> dict[str, str]:
     """Return this process's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK,
     MASTER_ADDR and MASTER_PORT (as strings), each only when it can be known.
 
     Raises EnvError naming the variable when a value is not a non-negative integer, when
-    RANK >= WORLD_SIZE, or when a SLURM nodelist cannot be parsed.
+    RANK >= WORLD_SIZE (unless ``check_rank`` is false: the runtime's rendezvous reports
+    that one to the whole group), or when a SLURM nodelist cannot be parsed.
     """
     out: dict[str, str] = {}
     for key in KEYS:
@@ -109,7 +110,7 @@ def resolve_env(environ: Mapping[str, str]) -> dict[str, str]:
         _fill_mpi(out)
     if "MASTER_ADDR" in out and "MASTER_PORT" not in out:
         out["MASTER_PORT"] = str(_DEFAULT_PORT)
-    _validate(out, source)
+    _validate(out, source, check_rank)
     return out
 
 
@@ -155,7 +156,7 @@ def _fill_mpi(out: dict[str, str]) -> None:
         out.setdefault("MASTER_ADDR", "127.0.0.1")
 
 
-def _validate(out: dict[str, str], source: dict[str, str]) -> None:
+def _validate(out: dict[str, str], source: dict[str, str], check_rank: bool = True) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
                 "MASTER_PORT"):
         if key in out and not out[key].strip().isdigit():
@@ -164,7 +165,7 @@ def _validate(out: dict[str, str], source: dict[str, str]) -> None:
             out[key] = str(int(out[key]))
     if "WORLD_SIZE" in out and int(out["WORLD_SIZE"]) < 1:
         raise EnvError(f"{source['WORLD_SIZE']}=0: the world size must be at least 1")
-    if "RANK" in out and "WORLD_SIZE" in out and int(out["RANK"]) >= int(out["WORLD_SIZE"]):
+    if check_rank and "RANK" in out and "WORLD_SIZE" in out and int(out["RANK"]) >= int(out["WORLD_SIZE"]):
         raise EnvError(f"{source['RANK']}={out['RANK']} is not below "
                        f"{source['WORLD_SIZE']}={out['WORLD_SIZE']}")
     if ("LOCAL_RANK" in out and "LOCAL_WORLD_SIZE" in out

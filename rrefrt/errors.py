@@ -5,6 +5,8 @@ Leaf module: imports nothing from rrefrt.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 __all__ = [
     "RpcError",
     "RpcTimeoutError",
@@ -54,12 +56,41 @@ class ShutdownError(RpcError):
 
 class RemoteError(RpcError):
     """A remote exception whose type could not be rebuilt on this worker (``remote_type``
-    names it, ``worker`` the worker that raised it)."""
+    names it, ``worker`` the worker that raised it, ``remote_traceback`` is its traceback
+    as text)."""
 
-    def __init__(self, message: str, remote_type: str = "", worker: str = "") -> None:
+    def __init__(self, message: str, remote_type: str = "", worker: str = "", remote_traceback: str = "") -> None:
         super().__init__(message)
         self.remote_type = remote_type
         self.worker = worker
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.remote_type, self.worker, self.remote_traceback), self.__dict__)
+
+    @classmethod
+    def from_wire(cls, remote_type: str, worker: str, remote_traceback: str) -> "RemoteError":
+        """The error for a remote exception that arrived as text only (its object could not
+        be sent or rebuilt): keeps the qualified type name, the worker and the traceback."""
+        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else remote_type
+        return cls(
+            f"{last} (raised on worker {worker!r}; its type {remote_type} could not be rebuilt here)"
+            f"\n\nRemote traceback:\n{remote_traceback}",
+            remote_type,
+            worker,
+            remote_traceback,
+        )
+
+
+def rebuildable(exc: BaseException, dumps: "Callable[[Any], bytes]", loads: "Callable[[bytes], Any]") -> bool:
+    """Whether ``exc`` survives a pickle round trip here (a class whose constructor needs
+    extra arguments does not: sending it would make the whole error undecodable on the
+    receiver and lose its type name, worker and traceback)."""
+    try:
+        loads(dumps(exc))
+        return True
+    except Exception:
+        return False
 
 
 class RemoteSerializationError(RemoteError, SerializationError):

@@ -1,16 +1,38 @@
 """Rendezvous: how workers find each other, and the store barriers of shutdown.
 
-Owns: parsing ``init_method`` and the environment, hosting or joining the store, publishing
-this worker's record, validating the group (unique names and ranks, agreeing world sizes),
-and bounded barriers. Imports from rrefrt: errors, store, environment.
+Owns: parsing ``init_method`` and the environment, choosing the store (hosting or joining
+rrefrt's own, or using torch's where torch already holds one), publishing this worker's
+record, validating the group (unique names and ranks, agreeing world sizes), and bounded
+barriers. Imports from rrefrt: errors, store, environment, torch_store (torch lazily).
 
-Keys (prefix ``rpc/<generation>/``; the generation counts init_rpc calls of the job, so a
-group re-initialised after shutdown never reads stale records):
+Keys (``rpc/init_count`` and ``rpc/ticket/<n>`` job-wide; the rest under ``rpc/<generation>/``,
+where the generation counts init_rpc calls of the job, so a group re-initialised after
+shutdown never reads stale records):
 
-    rank/<r>          claim counter: > 1 means two workers asked for rank r
-    worker/<r>        msgpack record {name, rank, world_size, incarnation, endpoints, host}
+    init_count        n-th init_rpc of the job; generation = (n - 1) // world_size
+    ticket/<n>        msgpack {name, rank, world_size, host, pid}: who took ticket n. Every
+                      worker scans the tickets around its own and fails at once, naming both
+                      processes, on a duplicate rank, a world size that differs or a rank
+                      outside [0, world_size) (NOTE [Conflicts])
+    joined, gone      counters of workers that entered / left a failed join
+    worker/<r>        msgpack Record
     abort             a message: some worker found the group invalid; everyone fails with it
     barrier/<phase>/<r>  worker r reached that phase of shutdown
+
+NOTE [Conflicts]
+  Generations are computed from each worker's own world_size, so a worker whose world_size
+  differs (or a second claimant of a rank, which shifts every later ticket by one) may land
+  in another generation and never meet the others in ``rpc/<g>/``. The tickets are outside
+  the generations: ticket j with world size w belongs to window [g*w + 1, (g+1)*w]; two
+  tickets in one window with one rank are a duplicate, overlapping windows with different
+  world sizes a mismatch. Each waiting worker re-reads the tickets near its own on every
+  poll, so every worker of the group reports the conflict within a poll or two.
+
+NOTE [Re-initialisation] (issue 11 item 6)
+  When rank 0 hosts the store, a worker that shut down and calls init_rpc again may reach
+  the old store before rank 0 (still finishing its own shutdown) retires it. When that store
+  closes under a joining worker, the worker reconnects (for at most ``_RECONNECT_S``) and
+  joins afresh on the new one.
 """
 
 from __future__ import annotations
@@ -19,33 +41,63 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 import time
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlparse
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Union
+from urllib.parse import unquote, urlparse
 
 import msgpack
 
 from .environment import resolve_env
-from .errors import RpcError
-from .store import StoreClient, StoreError, StoreServer, StoreTimeout
+from .errors import AuthenticationError, RpcError, ShutdownError
+from .store import PortInUseError, StoreAuthError, StoreClient, StoreClosed, StoreError, StoreServer
+from .torch_store import TorchStore, agent_store, default_group_store, file_store
 
 log = logging.getLogger("rrefrt.rendezvous")
+
+#: how long a worker whose store closed under it during join waits for the next store
+_RECONNECT_S = 10.0
+#: how long a refused store client may stay unexplained while ranks are missing
+_AUTH_GRACE = 2.0
+#: a probe of an occupied port: how long to wait for an rrefrt store's greeting
+_PROBE_S = 2.0
+
+Dead = Union[Iterable[int], Callable[[], Iterable[int]]]
 
 
 class RendezvousError(RpcError):
     """The group could not be formed (missing, duplicate or inconsistent workers)."""
 
 
+class InvalidRankError(RendezvousError, ValueError):
+    """This worker's rank is outside [0, world_size)."""
+
+
 @dataclass(frozen=True)
 class Record:
+    """What a worker publishes at rendezvous. ``address`` is the transport's opaque
+    ``PeerAddress.to_wire()`` ({"host": ..., "endpoints": {...}}); ``meta`` is opaque
+    per-worker metadata (devices, device maps, ...). Both must be msgpack-able."""
+
     name: str
     rank: int
     world_size: int
     incarnation: int
-    tcp: str
-    ipc: str
-    host: str
+    address: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb(
+            {"name": self.name, "rank": self.rank, "world_size": self.world_size,
+             "incarnation": self.incarnation, "address": self.address, "meta": self.meta}
+        )
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "Record":
+        d = msgpack.unpackb(data)
+        return cls(d["name"], int(d["rank"]), int(d["world_size"]), int(d["incarnation"]),
+                   dict(d.get("address") or {}), dict(d.get("meta") or {}))
 
 
 @dataclass
@@ -54,17 +106,26 @@ class GroupSpec:
     master_port: int
     rank: int
     world_size: int
+    #: init_method="file://<path>": the rendezvous goes through torch's FileStore there
+    file_path: str | None = None
 
 
 def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
     """Arguments win over the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, or
-    the SLURM / Open MPI equivalents)."""
-    env = resolve_env(os.environ)
+    the SLURM / Open MPI equivalents). A rank outside [0, world_size) is reported by the
+    rendezvous (so that the other workers learn it too), not here."""
+    env = resolve_env(os.environ, check_rank=False)
+    file_path = None
     if init_method.startswith("tcp://"):
         url = urlparse(init_method)
         if not url.hostname or not url.port:
             raise ValueError(f"init_method {init_method!r} must be tcp://host:port")
         addr, port = url.hostname, url.port
+    elif init_method.startswith("file://"):
+        file_path = unquote(urlparse(init_method).path)
+        if not file_path:
+            raise ValueError(f"init_method {init_method!r} must be file:///path/to/a/shared/file")
+        addr, port = env.get("MASTER_ADDR") or "127.0.0.1", 0
     else:
         addr, port_s = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if not addr or not port_s:
@@ -87,9 +148,9 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
                 "planned but not supported yet; pass world_size=... to init_rpc"
             )
         world_size = int(env["WORLD_SIZE"])
-    if world_size < 1 or not 0 <= rank < world_size:
+    if world_size < 1 or rank < 0:
         raise ValueError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
-    return GroupSpec(addr, port, rank, world_size)
+    return GroupSpec(addr, port, rank, world_size, file_path)
 
 
 def bind_host(master_addr: str) -> str:
@@ -118,49 +179,158 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _torch_pg_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True)
+class _Ticket:
+    n: int
+    name: str
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+
+    @property
+    def gen(self) -> int:
+        return (self.n - 1) // self.world_size
+
+    def window(self) -> range:
+        return range(self.gen * self.world_size + 1, (self.gen + 1) * self.world_size + 1)
+
+    def who(self) -> str:
+        return f"worker {self.name!r} (pid {self.pid} on {self.host})"
+
+
 class Rendezvous:
-    def __init__(self, spec: GroupSpec, timeout: float) -> None:
+    def __init__(self, spec: GroupSpec, timeout: float, secret: str | bytes | None = None, name: str = "") -> None:
         self.spec = spec
+        self._name = name
+        self._me = f"worker {name!r} (rank {spec.rank}, pid {os.getpid()} on {socket.gethostname()})"
+        self._auth_seen: float | None = None
         self.server: StoreServer | None = None
+        self._secret = secret
         self._seen: set[str] = set()
-        hosted = os.environ.get("RREFRT_STORE_HOSTED") == "1"
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        if spec.rank == 0 and not hosted and not agent_store:
-            self.server = StoreServer(spec.master_addr, spec.master_port)
+        self._tickets: dict[int, _Ticket] = {}
+        #: a client of a store that rank 0 hosts: it may retire under us (re-initialisation)
+        self._may_reconnect = False
+        #: the store is rrefrt's own, hosted by rank 0 (set by _open)
+        self._rank0_store = False
+        self.store: Any = None
+        valid = 0 <= spec.rank < spec.world_size
         try:
-            if agent_store:
-                self.store: Any = _TorchStore(spec.master_addr, spec.master_port, timeout)
-            else:
-                self.store = StoreClient(spec.master_addr, spec.master_port, connect_timeout=timeout)
-            n = self.store.add("rpc/init_count", 1)
+            # an invalid rank is reported to the group if its store answers within 2 s
+            self.store = self._open(timeout if valid else min(2.0, timeout))
+        except StoreAuthError as e:
+            self.close()
+            raise AuthenticationError(f"{self._me} could not join the rendezvous store: {e}; see docs/security.md") from None
         except Exception:
             self.close()
+            if valid:
+                raise
+            self.store = None
+        if not valid:
+            msg = f"rank must be in [0, world_size); got rank={spec.rank}, world_size={spec.world_size}"
+            if self.store is not None:
+                try:
+                    self._post_ticket(self._name or f"rank{spec.rank}")
+                    self.store.set(self.key("abort"), f"{self._tickets[self._n].who()}: {msg}".encode())
+                except Exception:
+                    pass
+                self.close()
+            raise InvalidRankError(msg)
+
+    def _open(self, timeout: float) -> Any:
+        spec, env = self.spec, os.environ
+        if spec.file_path is not None:
+            return file_store(spec.file_path, spec.world_size, timeout)
+        if _torch_pg_initialized():  # torch's process group holds MASTER_PORT: share its store
+            store = default_group_store(spec.master_addr, spec.master_port, timeout)
+            if store is not None:
+                return store
+        if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
+            return agent_store(spec.master_addr, spec.master_port, timeout)
+        if env.get("RREFRT_STORE_HOSTED") == "1":
+            # rrefrt-run's store: authenticated once the launcher passes it the secret
+            return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, False, self._me)
+        self._rank0_store = True
+        if spec.rank == 0:
+            try:
+                self.server = StoreServer(spec.master_addr, spec.master_port, secret=self._secret,
+                                          label=f"worker {self._name!r} (rank 0)")
+            except PortInUseError as e:
+                return self._probe_occupied(e)
+        else:
+            self._may_reconnect = True
+        return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, identity=self._me)
+
+    def _probe_occupied(self, err: PortInUseError) -> StoreClient:
+        """Rank 0 could not bind: if an rrefrt store holds the port (another rank 0, of this
+        job or another), join it as a client so the duplicate is reported with both
+        claimants; otherwise the port is simply in use."""
+        spec = self.spec
+        try:
+            return StoreClient(spec.master_addr, spec.master_port, _PROBE_S, self._secret, identity=self._me)
+        except StoreAuthError:
             raise
-        self.prefix = f"rpc/{(n - 1) // spec.world_size}/"
+        except StoreError:
+            raise PortInUseError(
+                f"rank 0 cannot host the rendezvous store: {spec.master_addr}:{spec.master_port} is already in "
+                "use by another process (Address already in use) that is not an rrefrt store; choose another "
+                "MASTER_PORT (or stop the process that holds it)"
+            ) from None
 
     def key(self, suffix: str) -> str:
         return self.prefix + suffix
 
+    # ------------------------------------------------------------------ join
     def join(self, record: Record, deadline: float) -> list[Record]:
         """Publish our record and return everyone's, validated; raise RendezvousError."""
+        while True:
+            try:
+                return self._join_once(record, deadline)
+            except StoreClosed as e:
+                if not self._may_reconnect:
+                    raise RendezvousError(self._where(record) + f", but the store closed: {e}") from None
+                left = min(_RECONNECT_S, deadline - time.monotonic())
+                log.info("rendezvous store closed during join (%s); reconnecting for %.1fs", e, left)
+                self.store.close()
+                self._tickets.clear()
+                try:
+                    self.store = StoreClient(self.spec.master_addr, self.spec.master_port, max(0.0, left), self._secret,
+                                             identity=self._me)
+                except StoreError as e2:
+                    raise RendezvousError(
+                        f"{self._where(record)}; the store closed under it and no store came back within "
+                        f"{max(0.0, left):.1f}s (rank 0 left or failed): {e2}"
+                    ) from None
+
+    def _where(self, record: Record) -> str:
         spec = self.spec
-        if self.store.add(self.key(f"rank/{spec.rank}"), 1) > 1:
-            other = self._try_get(f"worker/{spec.rank}")
-            msg = (
-                f"duplicate rank {spec.rank}: claimed by worker {record.name!r} and by "
-                f"{other.name if other else 'another worker'!r}"
-            )
-            self.store.set(self.key("abort"), msg.encode())
-            raise RendezvousError(msg)
-        self.store.set(self.key(f"worker/{spec.rank}"), msgpack.packb(record.__dict__))
+        where = spec.file_path or f"{spec.master_addr}:{spec.master_port}"
+        return f"worker {record.name!r} (rank {spec.rank}) waited for the group at {where}"
+
+    def _join_once(self, record: Record, deadline: float) -> list[Record]:
+        spec = self.spec
+        self._post_ticket(record.name)
+        self.store.add(self.key("joined"), 1)
+        self._check_conflicts()
+        self.store.set(self.key(f"worker/{spec.rank}"), record.to_wire())
         keys = [f"worker/{r}" for r in range(spec.world_size)]
-        where = f"worker {record.name!r} (rank {spec.rank}) waited for the group at {spec.master_addr}:{spec.master_port}"
+        where = self._where(record)
         try:
-            missing = self._wait_keys(keys, deadline)
+            missing = self._wait_keys(keys, deadline, conflicts=True)
+        except StoreClosed:
+            raise
         except StoreError as e:
             left = [k.split("/")[1] for k in keys if k not in self._seen]
             raise RendezvousError(
-                f"{where}; rank(s) {', '.join(left)} never joined and the store closed "
+                f"{where}; rank(s) {', '.join(left)} never joined and the store failed "
                 f"(rank 0 gave up or failed): {e}"
             ) from None
         if missing:
@@ -172,6 +342,92 @@ class Rendezvous:
         self._validate(records, record)
         return records
 
+    def _post_ticket(self, name: str) -> None:
+        spec = self.spec
+        n = self.store.add("rpc/init_count", 1)
+        self.prefix = f"rpc/{(n - 1) // spec.world_size}/"
+        self._n = n
+        me = _Ticket(n, name, spec.rank, spec.world_size, socket.gethostname(), os.getpid())
+        self._tickets[n] = me
+        self.store.set(f"rpc/ticket/{n}", msgpack.packb([me.name, me.rank, me.world_size, me.host, me.pid]))
+
+    def _check_conflicts(self) -> None:
+        """NOTE [Conflicts]: raise (and publish) a duplicate rank, world size mismatch or
+        invalid rank found among the tickets near ours."""
+        me = self._tickets[self._n]
+        count = self.store.add("rpc/init_count", 0)
+        lo = max(1, me.window().start - me.world_size)
+        hi = min(count, me.window().stop - 1 + me.world_size)
+        for j in range(lo, hi + 1):
+            if j not in self._tickets and self.store.check([f"rpc/ticket/{j}"]):
+                name, rank, ws, host, pid = msgpack.unpackb(self.store.get(f"rpc/ticket/{j}", 1.0))
+                self._tickets[j] = _Ticket(j, name, int(rank), int(ws), host, int(pid))
+        near = [self._tickets[j] for j in sorted(self._tickets) if lo <= j <= hi]
+        problem = None
+        for t in near:
+            if not 0 <= t.rank < t.world_size:
+                problem = f"{t.who()} has rank {t.rank} outside [0, world_size={t.world_size})"
+                break
+            for u in near:
+                if u.n <= t.n:
+                    continue
+                if u.world_size != t.world_size and (u.n in t.window() or t.n in u.window()):
+                    problem = (
+                        f"world size mismatch: {t.who()} (rank {t.rank}) has world_size={t.world_size} but "
+                        f"{u.who()} (rank {u.rank}) has world_size={u.world_size}; every worker must use the same"
+                    )
+                elif u.world_size == t.world_size and u.gen == t.gen and u.rank == t.rank:
+                    problem = (
+                        f"duplicate rank {t.rank}: two processes claimed it, {t.who()} and {u.who()}; "
+                        "give every process its own rank (RANK)"
+                    )
+                if problem:
+                    break
+            if problem:
+                break
+        if problem is None and self._rank0_store:
+            problem = self._held_by_running_group(me, near)
+        if problem:
+            self.store.set(self.key("abort"), problem.encode())
+            raise RendezvousError(problem)
+
+    def _check_auth_failures(self) -> None:
+        """The host of the store: a client refused for its secret while ranks are still
+        missing 2 s later (_AUTH_GRACE: a stray connection cannot abort a join that
+        completes) fails the join on every worker, naming the refused process."""
+        if self.server is None or not self.server.auth_failures:
+            return
+        now = time.monotonic()
+        if self._auth_seen is None:
+            self._auth_seen = now
+        if now - self._auth_seen < _AUTH_GRACE:
+            return
+        who = self.server.auth_failures[-1][1]
+        msg = (
+            f"{who} was refused by the rendezvous store of {self._me}: it does not have this job's secret "
+            "(or has another one). Every worker must use the same RREFRT_SECRET or RpcBackendOptions(secret=...), "
+            "or none may; see docs/security.md"
+        )
+        self.store.set(self.key("abort"), msg.encode())
+        raise AuthenticationError(msg, [who])
+
+    def _held_by_running_group(self, me: _Ticket, near: list[_Ticket]) -> str | None:
+        """A late duplicate: another process holds our rank in the previous generation,
+        which neither left (no leave barrier) nor failed (no abort). Only asked of a store
+        that rank 0 hosts: it lives as long as one group, so a second generation in it is
+        always a conflict (stores that outlive groups - the launcher's, torch's - also see
+        generations of workers that crashed and were restarted)."""
+        for t in near:
+            if (t.world_size == me.world_size and t.gen == me.gen - 1 and t.rank == me.rank
+                    and (t.pid, t.host) != (me.pid, me.host)):
+                prev = f"rpc/{t.gen}/"
+                if not self.store.check([prev + f"barrier/leave/{t.rank}"]) and not self.store.check([prev + "abort"]):
+                    return (
+                        f"duplicate rank {me.rank}: two processes claimed it, {t.who()} (in the running group) "
+                        f"and {me.who()}; give every process its own rank (RANK)"
+                    )
+        return None
+
     def _validate(self, records: list[Record], mine: Record) -> None:
         by_name: dict[str, Record] = {}
         problem = None
@@ -182,7 +438,10 @@ class Rendezvous:
                     f"{r.world_size}, worker {mine.name!r} (rank {mine.rank}) has {mine.world_size}"
                 )
             elif r.name in by_name:
-                problem = f"duplicate worker name {r.name!r}: used by rank {by_name[r.name].rank} and rank {r.rank}"
+                problem = (
+                    f"duplicate worker name {r.name!r}: used by rank {by_name[r.name].rank} and rank {r.rank} "
+                    f"(RPC worker name {r.name} is not unique)"
+                )
             by_name.setdefault(r.name, r)
             if problem:
                 break
@@ -190,59 +449,71 @@ class Rendezvous:
             self.store.set(self.key("abort"), problem.encode())
             raise RendezvousError(problem)
 
-    def _wait_keys(self, keys: list[str], deadline: float, dead: set[int] | None = None) -> list[str]:
-        """Wait until every key exists (or its rank is in ``dead``); return the missing."""
-        pending = [k for k in keys]
+    def _wait_keys(self, keys: list[str], deadline: float, dead: Dead | None = None, conflicts: bool = False) -> list[str]:
+        """Wait until every key exists (or its rank is dead); return the missing. ``dead``
+        is a set of ranks or a callable returning the current one, re-read on every poll."""
+        pending = list(keys)
         while True:
             pending = [k for k in pending if not self.store.check([self.key(k)])]
             self._seen = set(keys) - set(pending)
-            if dead:
-                pending = [k for k in pending if int(k.rsplit("/", 1)[1]) not in dead]
+            gone = set(dead() if callable(dead) else dead) if dead is not None else set()
+            if gone:
+                pending = [k for k in pending if int(k.rsplit("/", 1)[1]) not in gone]
             if not pending:
                 return []
             if self.store.check([self.key("abort")]):
-                raise RendezvousError(self.store.get(self.key("abort"), 1.0).decode())
+                raise RendezvousError(self.store.get(self.key("abort"), 1.0).decode(errors="replace"))
+            if conflicts:
+                self._check_conflicts()
+                self._check_auth_failures()
             left = deadline - time.monotonic()
             if left <= 0:
                 return pending
             self.store.wait([self.key(pending[0])], min(left, 0.2))
 
-    def barrier(self, phase: str, rank: int, world_size: int, deadline: float, dead: set[int]) -> list[int]:
-        """Arrive at ``phase``; wait (bounded) for every rank not known dead. Returns the
-        ranks that never arrived."""
-        self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
-        keys = [f"barrier/{phase}/{r}" for r in range(world_size)]
-        missing = self._wait_keys(keys, deadline, dead)
+    def barrier(self, phase: str, rank: int, world_size: int, deadline: float, dead: Dead) -> list[int]:
+        """Arrive at ``phase``; wait (bounded) for every rank not dead. ``dead`` is a set of
+        ranks or a callable returning the current set, re-evaluated on every poll (so a
+        death while waiting releases the barrier at once). Returns the ranks that never
+        arrived."""
+        try:
+            self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
+            keys = [f"barrier/{phase}/{r}" for r in range(world_size)]
+            missing = self._wait_keys(keys, deadline, dead)
+        except StoreError as e:
+            raise self._barrier_failed(phase, e) from None
         return [int(k.rsplit("/", 1)[1]) for k in missing]
 
     def arrive(self, phase: str, rank: int) -> None:
-        self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
+        try:
+            self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
+        except StoreError as e:
+            raise self._barrier_failed(phase, e) from None
+
+    def _barrier_failed(self, phase: str, e: StoreError) -> ShutdownError:
+        spec = self.spec
+        where = spec.file_path or f"{spec.master_addr}:{spec.master_port}"
+        return ShutdownError(
+            f"the shutdown barrier {phase!r} could not complete: the rendezvous store at {where} "
+            f"(hosted by rank 0 or the launcher) failed - its host may have died or left: {e}"
+        )
 
     def _get(self, suffix: str) -> Record:
-        return Record(**msgpack.unpackb(self.store.get(self.key(suffix), 5.0)))
-
-    def _try_get(self, suffix: str) -> Record | None:
-        try:
-            return self._get(suffix)
-        except Exception:
-            return None
+        return Record.from_wire(self.store.get(self.key(suffix), 5.0))
 
     def close(self, failed: bool = False) -> None:
         """Close the client (and the server, if hosted here). After a failed join the
         host keeps the store up (at most 3 s) until every worker that joined has left,
         so each of them reads the real error rather than a closed connection."""
-        store = getattr(self, "store", None)
+        store = self.store
         if store is not None and failed and hasattr(self, "prefix"):
             try:
-                gone = self.store.add(self.key("gone"), 1)
+                gone = store.add(self.key("gone"), 1)
                 if self.server is not None:
                     deadline = time.monotonic() + 3.0
-                    while time.monotonic() < deadline:
-                        claims = sum(self.store.add(self.key(f"rank/{r}"), 0) for r in range(self.spec.world_size))
-                        if gone >= claims:
-                            break
-                        self.store.wait([self.key("never")], 0.05)  # paces the re-check
-                        gone = self.store.add(self.key("gone"), 0)
+                    while time.monotonic() < deadline and gone < store.add(self.key("joined"), 0):
+                        store.wait([self.key("never")], 0.05)  # paces the re-check
+                        gone = store.add(self.key("gone"), 0)
             except Exception:
                 pass
         if store is not None:
@@ -252,40 +523,5 @@ class Rendezvous:
             self.server = None
 
 
-class _TorchStore:
-    """torch's TCPStore (torchrun's agent store) behind the StoreClient interface."""
-
-    def __init__(self, host: str, port: int, timeout: float) -> None:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        self._s = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True)
-        self._td = timedelta
-
-    def set(self, key: str, value: bytes) -> None:
-        self._s.set(key, value)
-
-    def get(self, key: str, timeout: float) -> bytes:
-        if not self.wait([key], timeout):
-            raise StoreTimeout(f"key {key!r} did not appear within {timeout:.1f}s")
-        return self._s.get(key)
-
-    def add(self, key: str, delta: int) -> int:
-        return int(self._s.add(key, delta))
-
-    def wait(self, keys: list[str], timeout: float) -> bool:
-        try:
-            self._s.wait(keys, self._td(seconds=max(timeout, 0.001)))
-            return True
-        except Exception:
-            return False
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._s.check(keys))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._s.delete_key(key))
-
-    def close(self) -> None:
-        pass
+__all__ = ["Record", "GroupSpec", "Rendezvous", "RendezvousError", "InvalidRankError", "TorchStore",
+           "resolve", "bind_host", "host_id"]

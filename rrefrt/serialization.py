@@ -36,7 +36,7 @@ import traceback
 import warnings
 from typing import Any, Callable, Sequence
 
-from .errors import RemoteError, RpcError, SerializationError
+from .errors import RemoteError, RpcError, SerializationError, rebuildable
 
 _tls = threading.local()
 _allowlist: frozenset[str] | None = None
@@ -219,6 +219,8 @@ def dumps_error(exc: BaseException, worker: str) -> list[Any]:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     qualname = f"{type(exc).__module__}.{type(exc).__qualname__}"
     try:
+        if not rebuildable(exc, pickle.dumps, pickle.loads):  # keep the text decodable (issue 11 item 9)
+            raise TypeError("cannot be rebuilt")
         frames, _ = dumps((exc, qualname, tb, worker))
     except Exception:
         frames, _ = dumps((None, qualname, tb, worker))
@@ -232,7 +234,7 @@ def loads_error(frames: Sequence[Any], fallback_worker: str) -> BaseException:
         return RemoteError(f"worker {fallback_worker!r} raised an error that could not be decoded: {e}")
     message = f"{exc if exc is not None else qualname} (raised on worker {worker!r})\n\nRemote traceback:\n{tb}"
     if exc is None:
-        return RemoteError(f"{qualname}: {message}", qualname, worker)
+        return RemoteError.from_wire(qualname, worker, tb)
     if isinstance(exc, RpcError) or type(exc).__module__.startswith("rrefrt"):
         try:
             rebuilt = type(exc)(message)
