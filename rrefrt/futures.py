@@ -367,7 +367,7 @@ def _build_torch_class(base: Any) -> Any:
                     _cf.LOGGER.exception("rrefrt: completing the torch side of %r failed", self)
 
         _TorchFuture.__module__ = __name__
-        _TorchFuture.__qualname__ = "Future"
+        _TorchFuture.__qualname__ = "_TorchFuture"
         _torch_cls = _TorchFuture
         return _TorchFuture
 
