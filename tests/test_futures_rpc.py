@@ -189,3 +189,19 @@ def test_user_rrefs_confirmed_when_the_function_runs(cluster, mode):
 @pytest.mark.xfail(reason="needs the runtime to use functions.is_async_execution (H4 report)", strict=False)
 def test_function_with_torchs_async_execution_marker(cluster):
     assert rrefrt.rpc_sync("w1", fns.torch_marked_add, args=("w2", 1, 2)) == 3
+
+
+# ---------------------------------------------------------------- the pool cap
+@pytest.mark.xfail(reason="needs the runtime to submit calls with reject_when_exhausted=True (H4 report)", strict=False)
+def test_nested_calls_past_the_pool_cap_fail_with_a_typed_error(cluster):
+    olds = [rrefrt.rpc_sync(w, fns.set_pool_cap, args=(20,)) for w in ("w1", "w2")]
+    try:
+        assert rrefrt.rpc_sync("w1", fns.ping_pong, args=("w2", "w1", 10)) == 10  # within the cap
+        refused = rrefrt.rpc_sync("w1", fns.ping_pong, args=("w2", "w1", 200), timeout=60)
+        assert isinstance(refused, str) and refused.startswith("PoolExhaustedError") and "exhausted" in refused
+        for w in ("w1", "w2"):
+            assert rrefrt.rpc_sync(w, fns.pool_stats)["peak_threads"] <= 20
+        assert rrefrt.rpc_sync("w1", fns.ping_pong, args=("w2", "w1", 10)) == 10  # and it recovers
+    finally:
+        for w, old in zip(("w1", "w2"), olds):
+            rrefrt.rpc_sync(w, fns.set_pool_cap, args=(old,))

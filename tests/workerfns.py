@@ -287,3 +287,27 @@ def rref_confirmed_after_wait(rref: rrefrt.RRef) -> bool:
 
 def rref_type_name(rref: rrefrt.RRef) -> str:
     return rref._get_type().__name__
+
+
+def set_pool_cap(max_threads: int) -> int:
+    """Test hook: lower this worker's user-pool cap (NOTE [Pool cap]); returns the old one."""
+    pool = rrefrt.state.current().pool
+    old, pool.max_threads = pool.max_threads, max_threads
+    return old
+
+
+def ping_pong(to: str, back: str, depth: int) -> Any:
+    """Nested rpc_sync calls back and forth: each level holds one thread on each side.
+    Returns the depth, or the text of the first error met (each level passes it up as a
+    value: re-raising would nest each level's remote traceback into the next one's)."""
+    if depth == 0:
+        return 0
+    try:
+        below = rrefrt.rpc_sync(to, ping_pong, args=(back, to, depth - 1))
+    except rrefrt.RpcError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return below if isinstance(below, str) else 1 + below
+
+
+def pool_stats() -> dict:
+    return rrefrt.state.current().pool.stats()
