@@ -21,6 +21,7 @@ unwrap hook (as ``torch.futures.Future.set_exception`` does) - on the thread tha
 callbacks: the callback pool for RPC futures, never the I/O thread, since torch runs the
 callbacks of a ``collect_all`` on the thread that completes its last input. So a torch
 future's payload is decoded on the callback pool rather than lazily by its first reader.
+Completions with no Python callback are coalesced (``WorkerPool.submit_batched``).
 Futures created before torch was imported stay plain (not accepted by torch's functions).
 See docs/futures.md.
 """
@@ -271,16 +272,27 @@ class Future(concurrent.futures.Future, Generic[T]):
                 else:
                     waiter.add_exception(self)
             self._condition.notify_all()
-            has_callbacks = bool(self._done_callbacks) or self._torch_side
-        if has_callbacks:
+            has_callbacks = bool(self._done_callbacks)
+        if has_callbacks or self._torch_side:
             pool = self._callback_pool
             if pool is not None:
                 try:
-                    pool.submit(self._invoke_callbacks)
+                    if has_callbacks:
+                        pool.submit(self._invoke_callbacks)
+                    else:  # only the torch side to complete: coalesced with others
+                        pool.submit_batched(self, _invoke_all_callbacks)
                     return
                 except RuntimeError:
                     pass
             self._invoke_callbacks()
+
+
+def _invoke_all_callbacks(futures: list[Future[Any]]) -> None:
+    for f in futures:
+        try:
+            f._invoke_callbacks()
+        except Exception:
+            _cf.LOGGER.exception("rrefrt: callbacks of %r failed", f)
 
 
 def _callback_error(e: BaseException) -> BaseException:

@@ -62,6 +62,8 @@ class WorkerPool:
         self._blocked = 0  #: threads inside blocking()
         self._peak = 0  #: most threads alive at once
         self._rejected = 0  #: tasks refused with PoolExhaustedError
+        self._batch: list[Any] = []  #: items for the scheduled drain (submit_batched)
+        self._batch_scheduled = False  #: a drain task is queued or running
         self._stopped = False
 
     def submit(self, fn: Callable[..., Any], *args: Any, reject_when_exhausted: bool = False) -> None:
@@ -89,6 +91,32 @@ class WorkerPool:
                 self._threads - self._blocked < self.num_threads or (self._idle == 0 and self._blocked > 0)
             ):
                 self._spawn()
+
+    def submit_batched(self, item: Any, drain: Callable[[list[Any]], None]) -> None:
+        """Queue ``item`` for ``drain(items)``: one task drains every item queued until it
+        finds none left, so a burst costs one thread wake-up, not one per item. ``drain``
+        must be the same function on every call (one batch per pool)."""
+        with self._cond:
+            self._batch.append(item)
+            if self._batch_scheduled:
+                return
+            self._batch_scheduled = True
+        try:
+            self.submit(self._drain_batch, drain)
+        except RuntimeError:
+            with self._cond:
+                self._batch_scheduled = False
+                self._batch.clear()
+            raise
+
+    def _drain_batch(self, drain: Callable[[list[Any]], None]) -> None:
+        while True:
+            with self._cond:
+                items, self._batch = self._batch, []
+                if not items:
+                    self._batch_scheduled = False
+                    return
+            drain(items)
 
     def _spawn(self) -> None:
         """Under ``_cond``, below the cap."""
@@ -141,4 +169,5 @@ class WorkerPool:
         with self._cond:
             self._stopped = True
             self._tasks.clear()
+            self._batch.clear()
             self._cond.notify_all()

@@ -106,3 +106,22 @@ def test_stopped_pool_refuses_work(pool):
     pool.stop()
     with pytest.raises(RuntimeError, match="stopped"):
         pool.submit(print)
+
+
+def test_submit_batched_drains_a_burst_in_few_tasks(pool):
+    gate = threading.Event()
+    drained: list = []
+    batches: list = []
+
+    def drain(items):
+        gate.wait(10)
+        batches.append(len(items))
+        drained.extend(items)
+
+    for i in range(100):
+        pool.submit_batched(i, drain)
+    gate.set()
+    poll_for(lambda: len(drained) == 100, 10, "every batched item drained")
+    assert sorted(drained) == list(range(100)) and len(batches) <= 3
+    pool.submit_batched(100, drain)  # a new burst schedules a new drain
+    poll_for(lambda: len(drained) == 101, 10)
