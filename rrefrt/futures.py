@@ -372,9 +372,11 @@ def _build_torch_class(base: Any) -> Any:
                         exc = self.exception(0)  # decodes a lazy result
                     if exc is None:
                         c_future.set_result(self, self._result)
-                    else:
+                    else:  # a copy without traceback: the C++ side holds it where gc cannot
+                        # see, and the traceback's frames may hold this future (an
+                        # uncollectable cycle, keeping RRefs alive)
                         c_future._set_unwrap_func(self, _raise_copy)
-                        c_future.set_result(self, exc)
+                        c_future.set_result(self, fresh(exc))
                 except Exception:
                     _cf.LOGGER.exception("rrefrt: completing the torch side of %r failed", self)
 

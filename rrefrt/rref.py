@@ -120,7 +120,8 @@ class RRef(Generic[T]):
                     raise OwnerDiedError(f"{self!r} cannot be used: {rec.error}")
                 raise fresh(rec.error)
             if not rec.confirmed and rec.creation_deadline is not None and time.monotonic() > rec.creation_deadline:
-                raise RpcTimeoutError(f"the creation of {self!r} on its owner did not finish within its timeout")
+                _creation_timed_out(self, rec)
+                raise fresh(rec.error)  # type: ignore[arg-type]
         if self._rt is not state.current_or_none():
             raise ShutdownError(f"{self!r} belongs to an RPC group that was shut down")
 
@@ -195,6 +196,8 @@ class RRef(Generic[T]):
                 if rec is not None and rec.creation_deadline is not None:
                     t = max(0.001, rec.creation_deadline - time.monotonic())
                 fut = self._rt.rpc_async(self._owner_id(), _rref_created_on_owner, (self,), None, t)
+                if rec is not None and rec.creation_deadline is not None:
+                    fut.add_done_callback(lambda f, r=rec, me=self: _late_creation(f, me, r))
         except Exception as e:
             fut = Future()
             fut.set_exception(e)
@@ -235,6 +238,23 @@ class RRef(Generic[T]):
             self._rt.enqueue_drop(rec.fork_id)
         except Exception:
             pass
+
+
+def _creation_timed_out(rref: RRef[Any], rec: UserRecord) -> None:
+    """remote(timeout=...) ran late: the RRef fails on every later use, also once the value
+    exists (torch's rule; API.md). Kept on the record like a creation error."""
+    if rec.error is None:
+        rec.error = RpcTimeoutError(
+            f"RRef creation timed out: the creation of {rref!r} on its owner did not finish within the "
+            "timeout given to remote(); the RRef cannot be used"
+        )
+
+
+def _late_creation(fut: Future[None], rref: RRef[Any], rec: UserRecord) -> None:
+    """_get_future()'s call timed out while the creation was unconfirmed: that is a late
+    creation."""
+    if isinstance(fut.exception(), RpcTimeoutError) and not rec.confirmed:
+        _creation_timed_out(rref, rec)
 
 
 def _complete_with(fut: Future[Any], fn: Any) -> None:

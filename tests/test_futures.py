@@ -338,3 +338,24 @@ def test_rrefrt_wait_all_and_collect_all_take_torch_futures_too():
     collected = rrefrt.futures.collect_all([t, done_with(exc=ValueError("x"))])
     first, second = collected.wait(1)
     assert first.wait() == 3 and isinstance(second.exception(), ValueError)
+
+
+def test_a_failed_torch_side_future_does_not_keep_itself_alive():
+    """The C++ side holds its error where gc cannot see it; if that were the stored error,
+    whose traceback holds a frame holding the future, the future (and the RRefs in it)
+    would never be freed."""
+    import gc
+    import weakref
+
+    def fail_and_wait():
+        f = Future()
+        f.set_exception(ValueError("x"))
+        try:
+            f.wait()  # the stored error's traceback now holds this frame, which holds f
+        except ValueError:
+            pass
+        return weakref.ref(f)
+
+    ref = fail_and_wait()
+    gc.collect()
+    assert ref() is None

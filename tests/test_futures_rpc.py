@@ -11,6 +11,7 @@ import pytest
 
 import rrefrt
 from tests import workerfns as fns
+from tests.support import poll_for
 
 torch = pytest.importorskip("torch")
 
@@ -172,6 +173,18 @@ def test_get_future_completes_with_the_creation(cluster):
         failed._get_future().wait()
     del rref, slow, failed
     gc.collect()
+
+
+def test_a_late_creation_fails_the_rref_for_good(cluster):
+    late = rrefrt.remote("w1", fns.sleep_for, args=(1.0,), timeout=0.2)
+    with pytest.raises(rrefrt.RpcTimeoutError):
+        late._get_future().wait()
+    poll_for(late.confirmed_by_owner, 10, "the creation finishes on the owner")
+    with pytest.raises(RuntimeError, match="RRef creation timed out"):  # torch's phrase
+        late.to_here()
+    del late
+    gc.collect()
+    poll_for(lambda: rrefrt.rpc_sync("w1", fns.owner_counts)["num_owner_rrefs"] == 0, 10, "the late value is freed")
 
 
 def test_rref_received_from_a_user_can_wait_until_confirmed(cluster):
