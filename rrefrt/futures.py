@@ -254,6 +254,13 @@ class Future(concurrent.futures.Future, Generic[T]):
             "send its value (fut.wait()) instead"
         )
 
+    def _invoke_callbacks(self) -> None:
+        super()._invoke_callbacks()  # type: ignore[misc]
+        # once run, callbacks are dropped (later ones run inline): a callback closing over a
+        # derived future must not keep it alive through this one (NOTE [torch interop]: a
+        # cycle through the C++ side is invisible to gc)
+        self._done_callbacks = []
+
     # -- completion by the runtime
     def _complete_lazy(self, decode: Callable[[], Any]) -> None:
         self._finish(_Lazy(decode), None)

@@ -359,3 +359,21 @@ def test_a_failed_torch_side_future_does_not_keep_itself_alive():
     ref = fail_and_wait()
     gc.collect()
     assert ref() is None
+
+
+def test_collect_all_and_then_leave_no_cycle_through_the_torch_side():
+    import gc
+    import weakref
+
+    def chain():
+        a, b = Future(), Future()
+        out = rrefrt.futures.collect_all([a, b])  # out's value is [a, b]; a and b held out
+        derived = a.then(lambda f: f)  # derived's value is a itself
+        a.set_result(1)
+        b.set_result(2)
+        assert out.wait(1) == [a, b] and derived.wait(1) is a
+        return weakref.ref(a), weakref.ref(out), weakref.ref(derived)
+
+    refs = chain()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
