@@ -1,14 +1,29 @@
 """``rrefrt.Future``: the stdlib ``concurrent.futures.Future`` contract plus torch's
 ``wait/value/then`` and ``await``; ``wait_all`` and ``collect_all``.
 
-Imports from rrefrt: pool (leaf). Runtime-facing entry points are ``_complete_lazy`` and
-``_fail`` which the I/O thread calls.
+Imports from rrefrt: errors, pool (leaves). Runtime-facing entry points are
+``_complete_lazy`` and ``_fail`` which the I/O thread calls. Never imports torch.
 
 NOTE [Lazy results]: the I/O thread completes an RPC future with an undecoded response
 (``_Lazy``); the payload is unpickled by the first thread that asks for it (``result``,
 ``exception``, ``wait``), under the future's own decode lock. So the I/O thread never runs
 user code (unpickling may), ``rpc_sync`` decodes on the caller's own thread, and callbacks of
 futures completed by the I/O thread run on the runtime's callback pool, never on it.
+
+NOTE [torch interop]: ``torch.futures.wait_all``/``collect_all`` and torch's own RPC code
+accept only ``torch._C.Future`` instances. When torch is already imported, ``Future()``
+builds an instance of ``_TorchFuture``, a subclass of both this class and
+``torch.futures.Future`` created on first use (so ``import rrefrt`` never imports torch,
+and a program without torch pays nothing). Python-level methods are ours (MRO: this class,
+then ``concurrent.futures.Future``, then torch's); the C++ side of the object is completed
+once ours is, by ``_mark_torch`` - with the decoded value, or with the error behind torch's
+unwrap hook (as ``torch.futures.Future.set_exception`` does) - on the thread that runs the
+callbacks: the callback pool for RPC futures, never the I/O thread, since torch runs the
+callbacks of a ``collect_all`` on the thread that completes its last input. So a torch
+future's payload is decoded on the callback pool rather than lazily by its first reader.
+Completions with no Python callback are coalesced (``WorkerPool.submit_batched``).
+Futures created before torch was imported stay plain (not accepted by torch's functions).
+See docs/futures.md.
 """
 
 from __future__ import annotations
@@ -16,14 +31,78 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import concurrent.futures._base as _cf
+import sys
 import threading
+import traceback
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
+from .errors import RpcError, SerializationError, fresh
 from .pool import WorkerPool, current_pool
 
-__all__ = ["Future", "wait_all", "collect_all"]
+__all__ = ["Future", "wait_all", "collect_all", "FutureAlreadyCompletedError", "FutureCallbackError"]
 
 T = TypeVar("T")
+
+_DONE = (_cf.CANCELLED, _cf.CANCELLED_AND_NOTIFIED, _cf.FINISHED)
+#: torch's phrase, which torch programs match on
+_TWICE = "Attempting to mark a completed Future as complete again. Note that a Future can only be marked completed once."
+
+
+class FutureAlreadyCompletedError(RpcError, concurrent.futures.InvalidStateError):
+    """``set_result``/``set_exception`` on a Future that is already done (torch raises a
+    RuntimeError, the stdlib an InvalidStateError: this is both)."""
+
+
+class FutureCallbackError(RpcError):
+    """A ``then`` callback raised an exception that is not a RuntimeError. torch fails the
+    derived Future with a RuntimeError saying "Got the following error when running the
+    callback: <type>: <text>"; rrefrt raises an instance of a subclass of both this class
+    and the original type (``except ValueError`` and ``except RuntimeError`` both work),
+    with the original as ``__cause__`` (plain FutureCallbackError where the two types
+    cannot be combined, e.g. OSError). Sent to another worker it stays both."""
+
+    __str__ = BaseException.__str__  # the message, whatever the original type prints
+
+    def __reduce__(self) -> Any:  # the original exception stays behind (it may not pickle)
+        if type(self) is FutureCallbackError:
+            return (FutureCallbackError, self.args)
+        return (_rebuild_callback_error, (_original_type(type(self)), self.args[0] if self.args else ""))
+
+
+_dual_types: dict[type, type] = {}
+
+
+def _original_type(dual: type) -> type:
+    for base in dual.__bases__:
+        if base is not FutureCallbackError:
+            return base
+    return FutureCallbackError
+
+
+def _callback_error_type(orig: type) -> type:
+    cls = _dual_types.get(orig)
+    if cls is None:
+        try:
+            cls = type(orig.__name__, (FutureCallbackError, orig), {"__module__": orig.__module__})
+        except TypeError:  # instance lay-out conflict (OSError, AttributeError, ...)
+            cls = FutureCallbackError
+        _dual_types[orig] = cls
+    return cls
+
+
+def _rebuild_callback_error(orig: type, message: str, cause: BaseException | None = None) -> BaseException:
+    cls = _callback_error_type(orig) if isinstance(orig, type) and issubclass(orig, BaseException) else FutureCallbackError
+    try:
+        err = cls.__new__(cls, message)
+        err.args = (message,)
+    except Exception:
+        err = FutureCallbackError(message)
+    err.__cause__ = cause
+    return err
+
+
+class _NotAnException(TypeError, AssertionError):
+    """``set_exception`` with something that is not an exception (torch: AssertionError)."""
 
 
 class _Lazy:
@@ -33,35 +112,82 @@ class _Lazy:
         self.decode = decode
 
 
-class Future(concurrent.futures.Future, Generic[T]):
-    """A future usable from threads (``wait``/``result``) and from asyncio (``await``)."""
+def _not_callable(method: str, obj: Any) -> TypeError:
+    return TypeError(
+        f"{method}(): incompatible function arguments: the callback must be a callable taking the Future, "
+        f"got {type(obj).__name__}"
+    )
 
-    def __init__(self) -> None:
+
+class Future(concurrent.futures.Future, Generic[T]):
+    """A future usable from threads (``wait``/``result``) and from asyncio (``await``);
+    an instance of ``torch.futures.Future`` too when torch is imported (NOTE [torch interop])."""
+
+    _torch_side = False  #: the instance is also a torch._C.Future (class attribute)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Future[T]":
+        if cls is Future:
+            tcls = _torch_future_class()
+            if tcls is not None:
+                cls = tcls
+        return super().__new__(cls)  # type: ignore[misc]
+
+    def __init__(self, *, devices: Any = None) -> None:
         super().__init__()
         self._decode_lock = threading.Lock()
         self._callback_pool: WorkerPool | None = None
 
     # -- torch's API
     def wait(self, timeout: float | None = None) -> T:
-        """Block until done; return the value or raise its error."""
+        """Block until done; return the value or raise its error (the same each time)."""
         return self.result(timeout)
 
     def value(self) -> T:
-        return self.result()
+        """The value of a completed Future (raises its error); as in torch, only after
+        ``wait()`` or inside a callback: on a Future not yet done it raises at once."""
+        if not self.done():
+            raise RpcError("value() was called on a Future that is not completed yet; call wait() first")
+        return self.result(0)
 
     def then(self, callback: Callable[["Future[T]"], Any]) -> "Future[Any]":
-        """A new Future completed with ``callback(self)``; if the callback raises, the new
-        Future fails with that exception."""
+        """A new Future completed with ``callback(self)``; a non-callable raises TypeError
+        at once. If the callback raises, the new Future fails: with (a copy of) that error if
+        it is a RuntimeError (rrefrt's typed errors are), else with a FutureCallbackError -
+        a RuntimeError as in torch - that is also of the original type."""
+        if not callable(callback):
+            raise _not_callable("then", callback)
         out: Future[Any] = Future()
 
         def run(f: Future[T]) -> None:
             try:
-                out.set_result(callback(f))
+                value = callback(f)
             except BaseException as e:
-                out.set_exception(e)
+                out._finish(None, _callback_error(e))
+                return
+            out._finish(value, None)
 
         self.add_done_callback(run)
         return out
+
+    def add_done_callback(self, fn: Callable[["Future[T]"], Any]) -> None:
+        """Run ``fn(self)`` once done (at once, inline, if it is); errors it raises are logged."""
+        if not callable(fn):
+            raise _not_callable("add_done_callback", fn)
+        super().add_done_callback(fn)
+
+    def set_result(self, result: Any) -> None:
+        try:
+            super().set_result(result)
+        except concurrent.futures.InvalidStateError:
+            raise FutureAlreadyCompletedError(_TWICE) from None
+
+    def set_exception(self, exception: Any) -> None:
+        if not isinstance(exception, BaseException):
+            raise _NotAnException(f"{exception} is of type {type(exception)}, not an Exception.")
+        try:
+            super().set_exception(exception)
+        except concurrent.futures.InvalidStateError:
+            raise FutureAlreadyCompletedError(_TWICE) from None
 
     # -- stdlib contract, with lazy decoding and compensation of blocked pool threads
     # (result and exception repeat their wait on purpose: a shared helper would put a frame
@@ -122,6 +248,19 @@ class Future(concurrent.futures.Future, Generic[T]):
     def __await__(self):  # type: ignore[override]
         return asyncio.wrap_future(self).__await__()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise SerializationError(
+            "Can not pickle torch.futures.Future: an rrefrt.Future cannot be sent to another worker; "
+            "send its value (fut.wait()) instead"
+        )
+
+    def _invoke_callbacks(self) -> None:
+        super()._invoke_callbacks()  # type: ignore[misc]
+        # once run, callbacks are dropped (later ones run inline): a callback closing over a
+        # derived future must not keep it alive through this one (NOTE [torch interop]: a
+        # cycle through the C++ side is invisible to gc)
+        self._done_callbacks = []
+
     # -- completion by the runtime
     def _complete_lazy(self, decode: Callable[[], Any]) -> None:
         self._finish(_Lazy(decode), None)
@@ -131,7 +270,7 @@ class Future(concurrent.futures.Future, Generic[T]):
 
     def _finish(self, result: Any, exc: BaseException | None) -> None:
         with self._condition:
-            if self._state in (_cf.CANCELLED, _cf.CANCELLED_AND_NOTIFIED, _cf.FINISHED):
+            if self._state in _DONE:
                 return
             self._result, self._exception, self._state = result, exc, _cf.FINISHED
             for waiter in self._waiters:
@@ -141,24 +280,133 @@ class Future(concurrent.futures.Future, Generic[T]):
                     waiter.add_exception(self)
             self._condition.notify_all()
             has_callbacks = bool(self._done_callbacks)
-        if has_callbacks:
+        if has_callbacks or self._torch_side:
             pool = self._callback_pool
             if pool is not None:
                 try:
-                    pool.submit(self._invoke_callbacks)
+                    if has_callbacks:
+                        pool.submit(self._invoke_callbacks)
+                    else:  # only the torch side to complete: coalesced with others
+                        pool.submit_batched(self, _invoke_all_callbacks)
                     return
                 except RuntimeError:
                     pass
             self._invoke_callbacks()
 
 
-def wait_all(futures: Iterable[concurrent.futures.Future], timeout: float | None = None) -> list[Any]:
-    """Wait for every future; return their values, or raise the first error."""
+def _invoke_all_callbacks(futures: list[Future[Any]]) -> None:
+    for f in futures:
+        try:
+            f._invoke_callbacks()
+        except Exception:
+            _cf.LOGGER.exception("rrefrt: callbacks of %r failed", f)
+
+
+def _callback_error(e: BaseException) -> BaseException:
+    """What a Future derived with ``then`` fails with when its callback raised ``e``. The
+    traceback becomes text: a stored traceback would hold the callback's frames, and through
+    them the futures (a cycle keeping their values, RRefs included, alive)."""
+    frames = e.__traceback__
+    if frames is not None and frames.tb_next is not None:
+        frames = frames.tb_next  # from the callback down (not then()'s own frame)
+    tb = "".join(traceback.format_tb(frames))
+    frames = None
+    if isinstance(e, RuntimeError) or not isinstance(e, Exception):
+        out = fresh(e)  # a copy: ``e`` may be the error stored on the source Future
+        if tb:
+            try:
+                out.add_note(f"raised in a Future.then() callback:\n{tb}")
+            except Exception:
+                pass
+        return out
+    message = f"Got the following error when running the callback: {type(e).__name__}: {e}\n\nAt:\n{tb}"
+    err = _rebuild_callback_error(type(e), message, e.with_traceback(None))
+    try:
+        err.__dict__.update({k: v for k, v in vars(e).items() if k != "__notes__"})
+    except Exception:
+        pass
+    return err
+
+
+def _raise_copy(exc: BaseException) -> Any:
+    """torch's unwrap hook of a failed _TorchFuture: raise a copy (the stored error's own
+    traceback must not grow with each reader)."""
+    raise fresh(exc)
+
+
+_torch_cls: Any = None
+_torch_cls_lock = threading.Lock()
+
+
+def _torch_future_class() -> Any:
+    """``_TorchFuture`` once torch is imported (built on first use), else None."""
+    cls = _torch_cls
+    if cls is not None:
+        return cls
+    tf = sys.modules.get("torch.futures")
+    base = getattr(tf, "Future", None) if tf is not None else None
+    if base is None:
+        return None
+    return _build_torch_class(base)
+
+
+def _build_torch_class(base: Any) -> Any:
+    global _torch_cls
+    with _torch_cls_lock:
+        if _torch_cls is not None:
+            return _torch_cls
+        c_future = base.__mro__[1]  # torch._C.Future
+
+        class _TorchFuture(Future, base):  # type: ignore[misc, valid-type]
+            """An rrefrt.Future that is also a torch.futures.Future (NOTE [torch interop])."""
+
+            _torch_side = True
+
+            def __init__(self, *, devices: Any = None) -> None:
+                Future.__init__(self)
+                base.__init__(self, devices=devices)
+
+            def _invoke_callbacks(self) -> None:
+                self._mark_torch()
+                super()._invoke_callbacks()
+
+            def _mark_torch(self) -> None:
+                """Complete the C++ side (once: _invoke_callbacks runs once per Future)."""
+                try:
+                    if self.cancelled():
+                        exc: BaseException | None = concurrent.futures.CancelledError("the Future was cancelled")
+                    else:
+                        exc = self.exception(0)  # decodes a lazy result
+                    if exc is None:
+                        c_future.set_result(self, self._result)
+                    else:  # a copy without traceback: the C++ side holds it where gc cannot
+                        # see, and the traceback's frames may hold this future (an
+                        # uncollectable cycle, keeping RRefs alive)
+                        c_future._set_unwrap_func(self, _raise_copy)
+                        c_future.set_result(self, fresh(exc))
+                except Exception:
+                    _cf.LOGGER.exception("rrefrt: completing the torch side of %r failed", self)
+
+        _TorchFuture.__module__ = __name__
+        _TorchFuture.__qualname__ = "_TorchFuture"
+        _torch_cls = _TorchFuture
+        return _TorchFuture
+
+
+def _wait_one(f: Any, timeout: float | None) -> Any:
+    if isinstance(f, concurrent.futures.Future):
+        return f.result(timeout)
+    return f.wait()  # a torch future
+
+
+def wait_all(futures: Iterable[Any], timeout: float | None = None) -> list[Any]:
+    """Wait for every future (rrefrt's, stdlib or torch's); return their values, or raise
+    the first error in list order."""
     futs = list(futures)
-    return [f.result(timeout) for f in futs]
+    return [_wait_one(f, timeout) for f in futs]
 
 
-def collect_all(futures: Iterable[concurrent.futures.Future]) -> Future[list[Any]]:
+def collect_all(futures: Iterable[Any]) -> Future[list[Any]]:
     """A Future completed with the list of ``futures`` once all of them are done, failed
     ones included."""
     futs = list(futures)
@@ -169,7 +417,7 @@ def collect_all(futures: Iterable[concurrent.futures.Future]) -> Future[list[Any
     remaining = [len(futs)]
     lock = threading.Lock()
 
-    def one_done(_: concurrent.futures.Future) -> None:
+    def one_done(_: Any) -> None:
         with lock:
             remaining[0] -= 1
             last = remaining[0] == 0

@@ -3,7 +3,14 @@ UserRRef), and its proxies ``rref.rpc_sync().method(...)`` etc.
 
 Owns: the user-facing behaviour of a reference. The protocol state lives in the RRef
 context; an RRef object only points at its record. Imports from rrefrt: errors, state,
-rref_context, futures. The runtime is reached through ``state.current()``.
+rref_context, futures, functions, pool. The runtime is reached through ``state.current()``.
+
+NOTE [Proxies]: ``rref.rpc_sync().m(...)`` runs ``_invoke_on_owner`` on the owner. It is
+itself an ``@async_execution`` function: an ``@async_execution`` method's Future is handed
+to the runtime as is (the reply goes when it completes; nothing pickles it), and a plain
+method's result is wrapped in a completed Future. A method that does not exist raises
+AttributeError (``remote()`` checks the type first, as torch does, since it returns an
+RRef at once: the type is fetched from the owner once per RRef object and cached).
 
 ``__del__`` never sends and never blocks: it enqueues the drop for the runtime's control
 thread (a SimpleQueue put is safe from any thread and from inside the garbage collector),
@@ -12,14 +19,18 @@ and in a forked child it does nothing at all.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import time
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Sequence, TypeVar
 
 from . import state
-from .errors import OwnerDiedError, RpcError, RpcTimeoutError, ShutdownError, fresh
+from .errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
+from .functions import is_async_execution, is_future, wrong_return_type
 from .futures import Future
-from .rref_context import OwnerRecord, UserRecord
+from .pool import current_pool
+from .rref_context import READY, OwnerRecord, UserRecord
 
 __all__ = ["RRef"]
 
@@ -30,7 +41,7 @@ class RRef(Generic[T]):
     """A reference to a value that lives on one worker (its owner)."""
 
     _rrefrt_is_rref = True
-    __slots__ = ("_rt", "_owner_rec", "_user_rec", "_pid", "__weakref__")
+    __slots__ = ("_rt", "_owner_rec", "_user_rec", "_pid", "_type_fut", "_creation_fut", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         rt = state.current()
@@ -38,17 +49,21 @@ class RRef(Generic[T]):
         self._pid = rt.pid
         self._user_rec: UserRecord | None = None
         self._owner_rec: OwnerRecord | None = rt.ctx.new_local_owner(value, type(value).__qualname__)
+        self._type_fut: Future[type] | None = None  #: _get_type(), cached once it succeeded
+        self._creation_fut: Future[None] | None = None  #: _get_future(), cached
 
     @classmethod
     def _from_owner(cls, rt: Any, rec: OwnerRecord) -> "RRef[Any]":
         self = cls.__new__(cls)
         self._rt, self._pid, self._owner_rec, self._user_rec = rt, rt.pid, rec, None
+        self._type_fut = self._creation_fut = None
         return self
 
     @classmethod
     def _from_user(cls, rt: Any, rec: UserRecord) -> "RRef[Any]":
         self = cls.__new__(cls)
         self._rt, self._pid, self._owner_rec, self._user_rec = rt, rt.pid, None, rec
+        self._type_fut = self._creation_fut = None
         return self
 
     # ------------------------------------------------------------------ identity
@@ -70,6 +85,8 @@ class RRef(Generic[T]):
         return self._user_rec.rref_id, self._user_rec.fork_id  # type: ignore[union-attr]
 
     def confirmed_by_owner(self) -> bool:
+        """True on the owner; on a user once the owner has registered this fork (an RRef
+        received as an argument is confirmed before the function runs, as in torch)."""
         return self._owner_rec is not None or bool(self._user_rec and self._user_rec.confirmed)
 
     def __repr__(self) -> str:
@@ -86,8 +103,8 @@ class RRef(Generic[T]):
 
     def __reduce__(self) -> Any:
         raise RpcError(
-            f"{self!r} can only be sent as an argument or result of an rrefrt call "
-            "(rpc_sync/rpc_async/remote), not pickled directly"
+            f"Can not pickle rref in python pickler, rref can only be pickled when using RPC: {self!r} can only "
+            "be sent as an argument or result of an rrefrt call (rpc_sync/rpc_async/remote), not pickled directly"
         )
 
     # ------------------------------------------------------------------ values
@@ -103,7 +120,8 @@ class RRef(Generic[T]):
                     raise OwnerDiedError(f"{self!r} cannot be used: {rec.error}")
                 raise fresh(rec.error)
             if not rec.confirmed and rec.creation_deadline is not None and time.monotonic() > rec.creation_deadline:
-                raise RpcTimeoutError(f"the creation of {self!r} on its owner did not finish within its timeout")
+                _creation_timed_out(self, rec)
+                raise fresh(rec.error)  # type: ignore[arg-type]
         if self._rt is not state.current_or_none():
             raise ShutdownError(f"{self!r} belongs to an RPC group that was shut down")
 
@@ -111,9 +129,11 @@ class RRef(Generic[T]):
         """The value itself; only on the owner."""
         self._check()
         if self._owner_rec is None:
+            rid, fid = self._ids()
             raise RpcError(
-                f"local_value() can only be called on the owner of the RRef: {self!r} is owned by "
-                f"{self.owner_name()!r}; use to_here() for a copy"
+                f"For UserRRef(rref_id={rid}, fork_id={fid}), can't call localValue() on user "
+                f"{self._rt.info!r}. Call it on owner {self.owner()!r}: local_value() can only be called on "
+                f"the owner of the RRef ({self!r}); use to_here() for a copy"
             )
         return self._rt.owner_value(self._owner_rec, self._rt.options.rpc_timeout)
 
@@ -136,6 +156,70 @@ class RRef(Generic[T]):
             return fut
         return self._rt.fetch(self, timeout)
 
+    # ------------------------------------------------------------------ torch's helpers
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
+        """The type of the value (fetched from the owner once, then cached), or with
+        ``blocking=False`` a Future of it (the same Future on every call once cached)."""
+        fut = self._type_fut
+        if fut is None or (fut.done() and fut.exception() is not None):
+            try:
+                self._check()
+                if self._owner_rec is not None:
+                    fut = self._owner_future(timeout, lambda v: type(v))
+                else:
+                    fut = self._rt.rpc_async(self._owner_id(), _rref_typeof_on_owner, (self,), None, timeout)
+            except Exception as e:
+                if blocking:
+                    raise
+                fut = Future()
+                fut.set_exception(e)
+                return fut
+            self._type_fut = fut
+        return fut.wait() if blocking else fut
+
+    def _get_future(self) -> Future[None]:
+        """A Future completed (with None) when the owner has created the value - or failed
+        with the creation's error or timeout. The same Future on every call."""
+        fut = self._creation_fut
+        if fut is not None:
+            return fut
+        rec = self._user_rec
+        try:
+            self._check()
+            if self._owner_rec is not None:
+                fut = self._owner_future(-1.0, lambda v: None)
+            elif rec is not None and rec.confirmed:
+                fut = Future()
+                fut.set_result(None)
+            else:
+                t = -1.0
+                if rec is not None and rec.creation_deadline is not None:
+                    t = max(0.001, rec.creation_deadline - time.monotonic())
+                fut = self._rt.rpc_async(self._owner_id(), _rref_created_on_owner, (self,), None, t)
+                if rec is not None and rec.creation_deadline is not None:
+                    fut.add_done_callback(lambda f, r=rec, me=self: _late_creation(f, me, r))
+        except Exception as e:
+            fut = Future()
+            fut.set_exception(e)
+        self._creation_fut = fut
+        return fut
+
+    def _get_profiling_future(self) -> Future[None]:
+        """torch's profiling hook: rrefrt records no profiling events, so this is
+        ``_get_future()`` (it completes once the creation is done)."""
+        return self._get_future()
+
+    def _owner_future(self, timeout: float, convert: Any) -> Future[Any]:
+        rt, rec = self._rt, self._owner_rec
+        assert rec is not None
+        fut: Future[Any] = Future()
+        if rec.state == READY:
+            fut.set_result(convert(rec.value))
+            return fut
+        t = rt.options.rpc_timeout if timeout is None or timeout < 0 else timeout
+        rt.callbacks.submit(_complete_with, fut, lambda: convert(rt.owner_value(rec, t)))
+        return fut
+
     # ------------------------------------------------------------------ proxies
     def rpc_sync(self, timeout: float = -1.0) -> Any:
         return _Proxy(self, "rpc_sync", timeout)
@@ -156,6 +240,23 @@ class RRef(Generic[T]):
             pass
 
 
+def _creation_timed_out(rref: RRef[Any], rec: UserRecord) -> None:
+    """remote(timeout=...) ran late: the RRef fails on every later use, also once the value
+    exists (torch's rule; API.md). Kept on the record like a creation error."""
+    if rec.error is None:
+        rec.error = RpcTimeoutError(
+            f"RRef creation timed out: the creation of {rref!r} on its owner did not finish within the "
+            "timeout given to remote(); the RRef cannot be used"
+        )
+
+
+def _late_creation(fut: Future[None], rref: RRef[Any], rec: UserRecord) -> None:
+    """_get_future()'s call timed out while the creation was unconfirmed: that is a late
+    creation."""
+    if isinstance(fut.exception(), RpcTimeoutError) and not rec.confirmed:
+        _creation_timed_out(rref, rec)
+
+
 def _complete_with(fut: Future[Any], fn: Any) -> None:
     try:
         fut.set_result(fn())
@@ -164,8 +265,52 @@ def _complete_with(fut: Future[Any], fn: Any) -> None:
 
 
 def _invoke_on_owner(rref: RRef[Any], name: str, args: tuple, kwargs: dict) -> Any:
-    """Runs on the owner: a method of the referenced object."""
-    return getattr(rref.local_value(), name)(*args, **kwargs)
+    """Runs on the owner: a method of the referenced object (NOTE [Proxies]). Returns a
+    Future: the method's own if it is ``@async_execution``, else one holding its result."""
+    method = getattr(rref.local_value(), name)
+    if is_async_execution(method):
+        result = method(*args, **kwargs)
+        if not is_future(result):  # rrefrt's decorator checked already; torch's does not
+            raise wrong_return_type(method, result)
+        return result
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    done.set_result(method(*args, **kwargs))
+    return done
+
+
+_invoke_on_owner._rrefrt_async_execution = True  # type: ignore[attr-defined]
+
+
+def _rref_typeof_on_owner(rref: RRef[Any]) -> type:
+    """Runs on the owner: ``RRef._get_type`` (torch's name, which its profiler shows)."""
+    return type(rref.local_value())
+
+
+def _rref_created_on_owner(rref: RRef[Any]) -> None:
+    """Runs on the owner: returns once the value exists (``RRef._get_future``)."""
+    rref.local_value()
+
+
+def wait_received_confirmed(rrefs: Sequence[RRef[Any]], deadline: float) -> bool:
+    """Callee side, before a user function runs: wait until every UserRRef received in its
+    arguments is confirmed by its owner (a fork from another user is confirmed one round
+    trip to the owner later), so ``confirmed_by_owner()`` holds inside the function, as in
+    torch. Bounded by ``deadline``; a fork that fails (owner death, retries exhausted) ends
+    the wait too. A pool thread waiting here counts as blocked (NOTE [Blocked pool threads]).
+    Returns False at the deadline."""
+    recs = [r._user_rec for r in rrefs if r._user_rec is not None and not r._user_rec.confirmed]
+    if not recs:
+        return True
+    ctx = rrefs[0]._rt.ctx
+    pool = current_pool()
+    with pool.blocking() if pool is not None else contextlib.nullcontext():
+        with ctx._changed:  # notified on every confirmation and failure
+            while any(not r.confirmed and r.error is None for r in recs):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                ctx._changed.wait(left)
+    return True
 
 
 class _Proxy:
@@ -175,11 +320,24 @@ class _Proxy:
         self._rref, self._how, self._timeout = rref, how, timeout
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):  # copy/pickle probes, not methods
+            raise AttributeError(name)
         rref, how, timeout = self._rref, self._how, self._timeout
         rref._check()
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if how == "remote":  # an RRef comes back at once: check the method exists first
+                _check_method(rref, name, timeout)
             fn = getattr(rref._rt, how)
             return fn(rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
 
         return call
+
+
+def _check_method(rref: RRef[Any], name: str, timeout: float) -> None:
+    try:
+        rtype = rref._get_type(timeout)
+    except SerializationError:  # the type cannot be rebuilt here: the owner will tell
+        return
+    if not hasattr(rtype, name):
+        raise AttributeError(f"type object {rtype.__name__!r} has no attribute {name!r} (the value of {rref!r})")

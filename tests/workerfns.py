@@ -189,3 +189,125 @@ def gc_collect() -> int:
     import gc
 
     return gc.collect()
+
+
+# ---- futures and async_execution through proxies (H4); torch is imported only inside
+def _torch_marked(fn: Any) -> Any:
+    """What torch.distributed.rpc.functions.async_execution does: set torch's marker."""
+    fn._wrapped_async_rpc_function = fn
+    return fn
+
+
+class AsyncExecutionClass:
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
+
+    @staticmethod
+    @rrefrt.functions.async_execution
+    def static_async_add(to: str, x: Any, y: Any, z: Any) -> rrefrt.Future:
+        return rrefrt.rpc_async(to, add, args=(x, y)).then(lambda f: f.wait() + z)
+
+    @classmethod
+    @rrefrt.functions.async_execution
+    def class_async_add(cls, to: str, x: Any, y: Any, z: Any) -> rrefrt.Future:
+        out: rrefrt.Future = rrefrt.Future()
+        rrefrt.rpc_async(to, add, args=(x, y)).then(lambda f: out.set_result(f.wait() + z))
+        return out
+
+    @rrefrt.functions.async_execution
+    def bound_async_add(self, to: str, x: Any, y: Any, z: Any) -> rrefrt.Future:
+        return rrefrt.rpc_async(to, add, args=(x, y)).then(lambda f: f.wait() + z + self.base)
+
+    @rrefrt.functions.async_execution
+    def wrong_type(self) -> Any:
+        return 5
+
+    @rrefrt.functions.async_execution
+    def async_raise(self, to: str) -> rrefrt.Future:
+        return rrefrt.rpc_async(to, raise_value_error, args=("Expected error",)).then(lambda f: f.wait())
+
+    @_torch_marked
+    def torch_future_add(self, to: str, x: Any, y: Any) -> Any:
+        import torch
+
+        out = torch.futures.Future()
+        rrefrt.rpc_async(to, add, args=(x, y)).add_done_callback(lambda f: out.set_result(f.wait() + self.base))
+        return out
+
+    @_torch_marked
+    def torch_marked_wrong_type(self) -> Any:
+        return "not a future"
+
+    def plain(self, x: Any) -> Any:
+        return x + self.base
+
+    def returns_future(self) -> Any:
+        return rrefrt.Future()
+
+
+@rrefrt.functions.async_execution
+def async_wrong_type() -> Any:
+    return 5
+
+
+@rrefrt.functions.async_execution
+def async_then_raises(to: str) -> rrefrt.Future:
+    return rrefrt.rpc_async(to, add, args=(1, 1)).then(lambda f: {}["missing"])
+
+
+@_torch_marked
+def torch_marked_add(to: str, x: Any, y: Any) -> Any:
+    import torch
+
+    out = torch.futures.Future()
+    rrefrt.rpc_async(to, add, args=(x, y)).then(lambda f: out.set_result(f.wait()))
+    return out
+
+
+def torch_wait_all_on_callee(to: str, n: int) -> list:
+    """torch.futures.wait_all/collect_all over rrefrt futures inside a worker."""
+    import torch
+
+    futs = [rrefrt.rpc_async(to, add, args=(i, 1)) for i in range(n)]
+    values = torch.futures.wait_all(futs)
+    collected = torch.futures.collect_all([rrefrt.rpc_async(to, add, args=(i, 2)) for i in range(n)]).wait()
+    return values + [f.wait() for f in collected]
+
+
+def rref_confirmed(rref: rrefrt.RRef) -> bool:
+    return rref.confirmed_by_owner()
+
+
+def rref_confirmed_after_wait(rref: rrefrt.RRef) -> bool:
+    from rrefrt.rref import wait_received_confirmed
+
+    wait_received_confirmed([rref], time.monotonic() + 10)
+    return rref.confirmed_by_owner()
+
+
+def rref_type_name(rref: rrefrt.RRef) -> str:
+    return rref._get_type().__name__
+
+
+def set_pool_cap(max_threads: int) -> int:
+    """Test hook: lower this worker's user-pool cap (NOTE [Pool cap]); returns the old one."""
+    pool = rrefrt.state.current().pool
+    old, pool.max_threads = pool.max_threads, max_threads
+    return old
+
+
+def ping_pong(to: str, back: str, depth: int) -> Any:
+    """Nested rpc_sync calls back and forth: each level holds one thread on each side.
+    Returns the depth, or the text of the first error met (each level passes it up as a
+    value: re-raising would nest each level's remote traceback into the next one's)."""
+    if depth == 0:
+        return 0
+    try:
+        below = rrefrt.rpc_sync(to, ping_pong, args=(back, to, depth - 1))
+    except rrefrt.RpcError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return below if isinstance(below, str) else 1 + below
+
+
+def pool_stats() -> dict:
+    return rrefrt.state.current().pool.stats()

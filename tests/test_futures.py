@@ -1,0 +1,379 @@
+"""rrefrt.Future without processes: torch.futures interop, torch's semantics and error
+types, the stdlib contract, lazy results, and ``import rrefrt`` staying free of torch."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import rrefrt
+from rrefrt import functions
+from rrefrt.futures import Future, FutureAlreadyCompletedError, FutureCallbackError
+from rrefrt.pool import WorkerPool
+from tests.support import env_for
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class UserError(Exception):
+    def __init__(self, a: str, b: int) -> None:
+        super().__init__(a)
+        self.b = b
+
+
+def done_with(value=None, exc=None) -> Future:
+    f: Future = Future()
+    if exc is not None:
+        f.set_exception(exc)
+    else:
+        f.set_result(value)
+    return f
+
+
+# ---------------------------------------------------------------- import and types
+def test_import_rrefrt_does_not_import_torch():
+    code = "import rrefrt, sys; f = rrefrt.Future(); print('torch' in sys.modules, type(f).__mro__[1].__module__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env_for(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "concurrent.futures._base"]
+
+
+def test_future_is_a_torch_future_once_torch_is_imported():
+    f = Future()
+    assert isinstance(f, torch.futures.Future) and isinstance(f, torch._C.Future)
+    assert isinstance(f, rrefrt.Future) and isinstance(f, concurrent.futures.Future)
+    assert type(f).__name__ == "_TorchFuture" and type(f) is type(Future())  # one class, built once
+    assert isinstance(f.then(lambda x: 1), torch.futures.Future)
+
+
+def test_subclasses_of_rrefrt_future_stay_plain():
+    class Mine(Future):
+        pass
+
+    m = Mine()
+    m.set_result(3)
+    assert type(m) is Mine and m.wait() == 3 and not isinstance(m, torch._C.Future)
+
+
+# ---------------------------------------------------------------- torch.futures interop
+def test_torch_wait_all_and_collect_all_accept_rrefrt_futures():
+    a, b = Future(), Future()
+    collected = torch.futures.collect_all([a, b])
+    assert not collected.done()
+    a.set_result(1)
+    t = threading.Thread(target=b.set_result, args=(torch.ones(2),))
+    t.start()
+    t.join(10)
+    got = collected.wait()
+    assert [f.wait() for f in got][0] == 1
+    assert torch.equal(torch.futures.wait_all([a, b])[1], torch.ones(2))
+
+
+def test_torch_wait_all_raises_the_error_of_a_failed_rrefrt_future():
+    ok, bad = done_with(1), done_with(exc=ValueError("Expected error"))
+    with pytest.raises(ValueError, match="Expected error"):
+        torch.futures.wait_all([ok, bad])
+    with pytest.raises(ValueError, match="Expected error"):  # and again: the same error
+        torch.futures.wait_all([ok, bad])
+    assert bad.exception().args == ("Expected error",)  # the stored error did not change
+
+
+def test_torch_collect_all_of_futures_completed_lazily_and_on_a_callback_pool():
+    pool = WorkerPool("test-callbacks", 2)
+    try:
+        futs = []
+        for i in range(20):
+            f: Future = Future()
+            f._callback_pool = pool
+            futs.append(f)
+        collected = torch.futures.collect_all(futs)
+        for i, f in enumerate(futs):
+            f._complete_lazy(lambda i=i: i * 10)
+        assert [x.wait() for x in collected.wait()] == [i * 10 for i in range(20)]
+        failed: Future = Future()
+        failed._callback_pool = pool
+
+        def boom():
+            raise KeyError("remote")
+
+        failed._complete_lazy(boom)
+        with pytest.raises(KeyError):
+            torch.futures.wait_all([failed])
+    finally:
+        pool.stop()
+
+
+def test_torch_then_on_collect_all_does_not_run_on_the_completing_io_thread():
+    pool = WorkerPool("test-callbacks", 2)
+    try:
+        f: Future = Future()
+        f._callback_pool = pool
+        ran_on = []
+        chained = torch.futures.collect_all([f]).then(lambda _: ran_on.append(threading.current_thread().name))
+        io = threading.Thread(target=f._complete_lazy, args=(lambda: 5,), name="fake-io-thread")
+        io.start()
+        io.join(10)
+        chained.wait()
+        assert ran_on and ran_on[0].startswith("test-callbacks")
+    finally:
+        pool.stop()
+
+
+def test_async_execution_accepts_torch_and_rrefrt_futures_and_rejects_others():
+    @functions.async_execution
+    def returns(x):
+        return x
+
+    assert returns(Future()) is not None and returns(torch.futures.Future()) is not None
+    assert returns(concurrent.futures.Future()) is not None
+    with pytest.raises(RuntimeError, match=r"Functions decorated with @rpc\.async_function must return a torch\.futures\.Future object,") as ei:
+        returns(torch.zeros(2))
+    assert isinstance(ei.value, rrefrt.RpcError) and isinstance(ei.value, TypeError)
+
+    def torch_marked():
+        return 1
+
+    torch_marked._wrapped_async_rpc_function = torch_marked
+    assert functions.is_async_execution(torch_marked) and functions.is_async_execution(returns)
+    assert not functions.is_async_execution(len)
+
+
+def test_when_future_done_settles_every_kind_of_future():
+    results = []
+
+    def done(value, exc):
+        results.append((value, type(exc).__name__ if exc else None))
+
+    for make in (Future, concurrent.futures.Future, torch.futures.Future):
+        f = make()
+        functions.when_future_done(f, make, done)
+        f.set_result(7)
+    failing = torch.futures.Future()
+    functions.when_future_done(failing, None, done)
+    failing.set_exception(ValueError("x"))
+    functions.when_future_done(42, len, done)
+    assert results[:3] == [(7, None)] * 3
+    assert results[3] == (None, "ValueError")
+    assert results[4] == (None, "AsyncExecutionTypeError")
+
+
+# ---------------------------------------------------------------- torch's semantics
+@pytest.mark.parametrize("bad", [None, 1, "callback"])
+def test_then_and_add_done_callback_reject_non_callables_at_once(bad):
+    f = Future()
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        f.then(bad)
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        f.add_done_callback(bad)
+    f.set_result(1)  # nothing was registered
+    assert f.wait() == 1
+
+
+def test_error_in_then_callback_is_a_runtime_error_and_keeps_its_type():
+    f = done_with(1)
+    derived = f.then(lambda x: x + 1)  # x is the Future: TypeError
+    with pytest.raises(RuntimeError, match=r"unsupported operand type\(s\) for \+") as ei:
+        derived.wait()
+    assert isinstance(ei.value, TypeError) and isinstance(ei.value, FutureCallbackError)
+    assert "Got the following error when running the callback: TypeError" in str(ei.value)
+    assert isinstance(ei.value.__cause__, TypeError)
+
+    def my_function(a, b, c):
+        return a
+
+    with pytest.raises(RuntimeError, match=r"my_function\(\) missing 2 required positional arguments"):
+        f.then(my_function).wait()
+
+
+def test_error_from_a_failed_source_future_inside_then():
+    src = done_with(exc=UserError("remote says no", 3))
+    derived = src.then(lambda s: s.wait())
+    with pytest.raises(UserError) as ei:
+        derived.wait()
+    assert isinstance(ei.value, RuntimeError) and ei.value.b == 3 and "remote says no" in str(ei.value)
+    assert src.exception().args == ("remote says no",)  # the source's error is untouched
+
+
+def test_runtime_errors_in_then_keep_their_own_type():
+    def cb(_):
+        raise rrefrt.RpcTimeoutError("nested call timed out")
+
+    with pytest.raises(rrefrt.RpcTimeoutError, match="nested call timed out"):
+        done_with(1).then(cb).wait()
+
+    def cb2(_):
+        raise RuntimeError("Another expected error")
+
+    with pytest.raises(RuntimeError, match="Another expected error"):
+        done_with(1).then(cb2).wait()
+
+
+def test_an_error_type_that_cannot_be_combined_is_still_a_runtime_error():
+    def cb(_):
+        raise OSError("disk")
+
+    with pytest.raises(RuntimeError, match="OSError: disk") as ei:
+        done_with(1).then(cb).wait()
+    assert isinstance(ei.value, FutureCallbackError) and isinstance(ei.value.__cause__, OSError)
+
+
+def test_callback_errors_survive_pickling_with_both_types():
+    err = done_with(1).then(lambda _: {}["missing"]).exception()
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, KeyError) and isinstance(back, RuntimeError) and "missing" in str(back)
+
+
+@pytest.mark.parametrize("second", ["set_result", "set_exception"])
+def test_marking_a_future_twice_raises_torchs_error(second):
+    f = done_with(1)
+    arg = 2 if second == "set_result" else ValueError("late")
+    with pytest.raises(RuntimeError, match="Future can only be marked completed once") as ei:
+        getattr(f, second)(arg)
+    assert isinstance(ei.value, concurrent.futures.InvalidStateError)  # the stdlib's type too
+    assert isinstance(ei.value, FutureAlreadyCompletedError) and f.wait() == 1
+
+
+def test_set_exception_requires_an_exception():
+    with pytest.raises(AssertionError, match="not an Exception"):
+        Future().set_exception("not an error")
+
+
+def test_waiting_twice_returns_the_same_value_or_raises_the_same_error():
+    value = object()
+    f = done_with(value)
+    assert f.wait() is value and f.wait() is value and f.value() is value
+    lazy: Future = Future()
+    calls = []
+
+    def decode():
+        calls.append(1)
+        raise ValueError("Expected error")
+
+    lazy._complete_lazy(decode)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="Expected error"):
+            lazy.wait()
+    assert calls == [1] and lazy.done()
+
+
+def test_value_of_a_pending_future_raises_instead_of_blocking():
+    with pytest.raises(RuntimeError, match="not completed yet"):
+        Future().value()
+
+
+def test_add_done_callback_runs_inline_when_done_and_gets_the_future_itself():
+    f = Future()
+    seen = []
+    f.add_done_callback(lambda x: seen.append(x is f))
+    f.set_result(0)
+    f.add_done_callback(lambda x: seen.append(x.value()))
+    assert seen == [True, 0]
+
+
+def test_add_done_callback_errors_are_logged_not_raised(caplog):
+    f = Future()
+
+    def cb(_):
+        raise ValueError("in callback")
+
+    f.add_done_callback(cb)
+    f.set_result(1)  # does not raise
+    assert f.wait() == 1 and "in callback" in caplog.text
+
+
+def test_then_chain_and_callbacks_on_already_done_futures():
+    f = Future()
+    chained = f
+    for _ in range(20):
+        chained = chained.then(lambda x: x.wait() + 1)
+    f.set_result(0)
+    assert chained.wait(5) == 20
+    assert done_with(2).then(lambda x: x.value() * 3).wait() == 6
+
+
+def test_futures_cannot_be_pickled_with_torchs_phrase():
+    with pytest.raises(RuntimeError, match="Can not pickle torch.futures.Future"):
+        pickle.dumps(Future())
+
+
+# ---------------------------------------------------------------- stdlib and asyncio
+def test_stdlib_contract_wait_and_as_completed():
+    a, b = Future(), Future()
+    b.set_result(2)
+    done, pending = concurrent.futures.wait([a, b], timeout=0.1)
+    assert done == {b} and pending == {a}
+    a.set_exception(ValueError("a"))
+    assert [f is a or f is b for f in concurrent.futures.as_completed([a, b], timeout=1)] == [True, True]
+    assert isinstance(a.exception(), ValueError)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        Future().result(timeout=0.01)
+
+
+def test_await_a_future_and_an_error():
+    async def main():
+        f, g = Future(), Future()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, f.set_result, 5)
+        loop.call_later(0.01, g.set_exception, ValueError("g"))
+        v = await f
+        with pytest.raises(ValueError):
+            await g
+        return v
+
+    assert asyncio.run(main()) == 5
+
+
+def test_rrefrt_wait_all_and_collect_all_take_torch_futures_too():
+    t = torch.futures.Future()
+    t.set_result(3)
+    assert rrefrt.futures.wait_all([done_with(1), t]) == [1, 3]
+    collected = rrefrt.futures.collect_all([t, done_with(exc=ValueError("x"))])
+    first, second = collected.wait(1)
+    assert first.wait() == 3 and isinstance(second.exception(), ValueError)
+
+
+def test_a_failed_torch_side_future_does_not_keep_itself_alive():
+    """The C++ side holds its error where gc cannot see it; if that were the stored error,
+    whose traceback holds a frame holding the future, the future (and the RRefs in it)
+    would never be freed."""
+    import gc
+    import weakref
+
+    def fail_and_wait():
+        f = Future()
+        f.set_exception(ValueError("x"))
+        try:
+            f.wait()  # the stored error's traceback now holds this frame, which holds f
+        except ValueError:
+            pass
+        return weakref.ref(f)
+
+    ref = fail_and_wait()
+    gc.collect()
+    assert ref() is None
+
+
+def test_collect_all_and_then_leave_no_cycle_through_the_torch_side():
+    import gc
+    import weakref
+
+    def chain():
+        a, b = Future(), Future()
+        out = rrefrt.futures.collect_all([a, b])  # out's value is [a, b]; a and b held out
+        derived = a.then(lambda f: f)  # derived's value is a itself
+        a.set_result(1)
+        b.set_result(2)
+        assert out.wait(1) == [a, b] and derived.wait(1) is a
+        return weakref.ref(a), weakref.ref(out), weakref.ref(derived)
+
+    refs = chain()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
