@@ -18,7 +18,7 @@ from typing import Any, Callable
 import transport
 
 from . import serialization, state
-from .errors import AuthenticationError, ShutdownError
+from .errors import AuthenticationError, RpcError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
 from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, host_id, resolve

@@ -18,6 +18,7 @@ import concurrent.futures
 import inspect
 import logging
 import threading
+import time
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -26,7 +27,10 @@ import transport
 from . import serialization as ser
 from . import state
 from .errors import RemoteSerializationError, SerializationError, ShutdownError
+from .functions import is_async_execution, when_future_done
+from .pool import PoolExhaustedError
 from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
+from .rref import wait_received_confirmed
 from .rref_context import FAILED, OwnerRecord
 
 log = logging.getLogger("rrefrt")
@@ -67,7 +71,11 @@ class Callee:
             self.finish(src, msg, msg_id, rec, None, err)
             return
         rt.lifecycle.track_call(+1, src)
-        rt.pool.submit(self.run_call, src, msg, msg_id, frames, rrefs, rec)
+        try:
+            rt.pool.submit(self.run_call, src, msg, msg_id, frames, rrefs, rec, reject_when_exhausted=True)
+        except PoolExhaustedError as e:  # the hard cap of the compensating pool: fail this call, typed
+            rt.lifecycle.track_call(-1, src)
+            self.finish(src, msg, msg_id, rec, None, e)
 
     def _seen_before(self, src: int, msg_id: int) -> bool:
         """A PYTHON_CALL delivered twice must not run twice."""
@@ -104,6 +112,8 @@ class Callee:
                 e = err
             done(None, e)
             return
+        if rrefs:  # torch's rule: RRefs received as arguments are confirmed when the function runs
+            wait_received_confirmed(rrefs, time.monotonic() + rt.options.rpc_timeout)
         del rrefs, frames
         self.invoke(func, args, kwargs, done)
 
@@ -113,29 +123,13 @@ class Callee:
         except BaseException as e:
             done(None, e)
             return
-        if getattr(func, "_rrefrt_async_execution", False):
-            self._when_done(result, done, func)
+        if is_async_execution(func):
+            when_future_done(result, func, done)
         elif inspect.iscoroutine(result):
             cf = asyncio.run_coroutine_threadsafe(result, self._event_loop())
             cf.add_done_callback(lambda f: self.rt.pool.submit(_settle, f, done))
         else:
             done(result, None)
-
-    def _when_done(self, fut: Any, done: Done, func: Any) -> None:
-        if isinstance(fut, concurrent.futures.Future):
-            fut.add_done_callback(lambda f: _settle(f, done))
-        elif hasattr(fut, "add_done_callback") and hasattr(fut, "wait"):  # torch.futures.Future
-            def torch_done(f: Any) -> None:
-                try:
-                    value = f.wait()
-                except BaseException as e:
-                    done(None, e)
-                    return
-                done(value, None)
-
-            fut.add_done_callback(torch_done)
-        else:
-            done(None, TypeError(f"@async_execution function {getattr(func, '__qualname__', func)!r} must return a Future, got {type(fut).__name__}"))
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._loop_lock:

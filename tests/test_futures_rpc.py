@@ -192,20 +192,17 @@ def test_rref_received_from_a_user_can_wait_until_confirmed(cluster):
     assert rrefrt.rpc_sync("w1", fns.rref_confirmed_after_wait, args=(rref,)) is True
 
 
-@pytest.mark.xfail(reason="needs the runtime to call rref.wait_received_confirmed before the function runs (H4 report)", strict=False)
 @pytest.mark.parametrize("mode", ["sync", "remote"])
 def test_user_rrefs_confirmed_when_the_function_runs(cluster, mode):
     rref = rrefrt.remote("w2", fns.add, args=(torch.zeros(2, 2), 1))
     assert run_in_mode("w1", fns.rref_confirmed, mode, args=(rref,)) is True
 
 
-@pytest.mark.xfail(reason="needs the runtime to use functions.is_async_execution (H4 report)", strict=False)
 def test_function_with_torchs_async_execution_marker(cluster):
     assert rrefrt.rpc_sync("w1", fns.torch_marked_add, args=("w2", 1, 2)) == 3
 
 
 # ---------------------------------------------------------------- the pool cap
-@pytest.mark.xfail(reason="needs the runtime to submit calls with reject_when_exhausted=True (H4 report)", strict=False)
 def test_nested_calls_past_the_pool_cap_fail_with_a_typed_error(cluster):
     olds = [rrefrt.rpc_sync(w, fns.set_pool_cap, args=(20,)) for w in ("w1", "w2")]
     try:
