@@ -73,8 +73,8 @@ class BoundPool(WorkerPool):
         super().__init__(name, num_threads)
         self._rt = rt
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        super().submit(_run_bound, self._rt, fn, args)
+    def submit(self, fn: Callable[..., Any], *args: Any, reject_when_exhausted: bool = False) -> None:
+        super().submit(_run_bound, self._rt, fn, args, reject_when_exhausted=reject_when_exhausted)
 
 
 def _run_bound(rt: Any, fn: Callable[..., Any], args: tuple) -> None:
