@@ -1,0 +1,270 @@
+"""The heartbeat loop: liveness judged on a connection of its own, and membership spread.
+
+Owns: the liveness socket (a second ROUTER socket that carries only PING, DEAD_NOTICE and
+FENCED), its thread (an ``IOLoop``), and the ``LivenessTable`` it feeds. Imports only zmq,
+the transport's own modules and the standard library.
+
+NOTE [Liveness]: liveness must not depend on how long one data message takes to move (issue
+11 item 1). ZMTP heartbeats on the data connection did: a PONG queues behind a message of a
+gigabyte, the heartbeat times out mid-transfer, libzmq closes the connection and the
+partial message vanishes; the route returns 100 ms later, so nobody is declared dead and
+the caller waits for its full timeout. So:
+
+Rule 1: every worker pings every other worker every ``heartbeat_interval`` on the liveness
+    socket, whose connections never carry data, so a PING is never stuck behind a payload.
+    A peer not heard from for ``heartbeat_timeout`` is declared dead (a stopped, hung or
+    partitioned process; a transfer to a SIGSTOPped peer then fails within heartbeat
+    timeout + interval + the tick, with PeerUnavailable).
+Rule 2: this loop runs on a thread of its own, never blocked by the data loop or its
+    callbacks: a stuck handler on the data loop does not make its worker look dead.
+Rule 3: a killed peer's liveness connection closes at once; the socket monitor reports it,
+    the loop probes the route (ROUTER_MANDATORY: a send without a connection fails with
+    EHOSTUNREACH) every PROBE_S, and a route gone for ``route_grace`` is death.
+Rule 4: neither socket uses ZMTP heartbeats (HEARTBEAT_IVL stays 0): libzmq's heartbeat
+    timer can call out_event() on an engine that already met an I/O error and abort the
+    process (``Assertion failed: !_io_error``, issue 11 item 2; NOTE [Close] in
+    ``transport.zmqagent``).
+
+NOTE [Membership]: when this worker declares peer P dead on its own evidence, it sends
+DEAD_NOTICE [P, P's incarnation, cause] to every other live member, and FENCED [cause] to P
+(best effort: P's route is usually gone). A receiver of DEAD_NOTICE declares P dead too,
+naming who declared it (it does not pass the notice on: the declarer told everyone). A
+message that arrives from a dead peer, on either socket, is dropped and answered with FENCED
+(at most every FENCE_REPEAT_S per peer): so a worker that was stopped past the timeout
+learns at its first word that it was expelled, and fails its calls with ``Fenced``. A
+DEAD_NOTICE about this worker itself is treated as FENCED.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import time
+from typing import Any, Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from . import security, wire
+from .liveness import LivenessTable, PeerState, Verdict
+from .loop import IOLoop
+
+log = logging.getLogger("rrefrt.transport")
+
+PROBE_S = 0.05  #: route probe period while a connection was lost or a peer is joining
+FENCE_REPEAT_S = 0.5  #: at most one FENCED per dead peer in this period
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        worker_id: int,
+        name: str,
+        incarnation: int,
+        interval: float,
+        table: LivenessTable,
+        auth: security.CurveAuth | None,
+        stats: collections.Counter,
+        on_dead: Callable[[Verdict], None],
+        on_fenced: Callable[[str, str], None],
+        on_change: Callable[[], None],
+    ) -> None:
+        self.id, self.name, self.incarnation = worker_id, name, incarnation
+        self.interval = interval
+        self.table = table
+        self._auth = auth
+        self.stats = stats
+        self._on_dead, self._on_fenced, self._on_change = on_dead, on_fenced, on_change
+        self.loop = IOLoop(f"rrefrt-hb-{name}", stats, self._close_sockets)
+        s = self._sock = ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTING_ID, wire.routing_id(worker_id))
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, 10000)
+        s.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        if auth is not None:
+            security.configure_keys(s, auth)
+        self._monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.loop.register(s, self._recv_all)
+        self.loop.register(self._monitor, self._read_monitor)
+        self._peers: dict[int, tuple[bytes, int, str]] = {}  #: id -> (routing id, incarnation, name)
+        self._fenced_told: dict[int, float] = {}  #: dead peer -> when we last sent it FENCED
+        self._probe_until = 0.0  #: probe every route every PROBE_S until then (Rule 3)
+        self._next_ping = 0.0
+        self._ping = wire.encode_header(wire.PING, 0, [incarnation])
+        self.endpoints: list[str] = []
+
+    # ------------------------------------------------------------------ setup (before start)
+    def bind(self, endpoint: str) -> str:
+        if self._auth is not None:
+            security.configure_server(self._sock, self._auth)
+        self._sock.bind(endpoint)
+        actual = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoints.append(actual)
+        return actual
+
+    def start(self) -> None:
+        self.loop.start()
+        self.loop.call_soon(self._tick)
+
+    def join(self, peers: list[tuple[int, str, int, str | None]]) -> None:
+        """Any thread: (id, name, incarnation, endpoint to connect or None) per peer."""
+
+        def setup() -> None:
+            for pid, pname, inc, endpoint in peers:
+                self._peers[pid] = (wire.routing_id(pid), inc, pname)
+                if endpoint is not None:
+                    if self._auth is not None:
+                        security.configure_client(self._sock, self._auth, pid)
+                    self._sock.connect(endpoint)
+            self.table.add(p[0] for p in peers)
+            self._probe_until = time.monotonic() + 3600.0  # until the join ends: see _tick
+
+        self.loop.call_soon(setup)
+
+    # ------------------------------------------------------------------ any thread
+    def declare(self, peer: int, cause: str) -> None:
+        """Declare ``peer`` dead on this worker's own evidence (tells the others)."""
+        self._schedule(lambda: self._verdict(self.table.declare(peer, cause), tell=True))
+
+    def tell_fenced(self, peer: int) -> None:
+        """A message came from dead ``peer``: answer FENCED (rate-limited)."""
+        self._schedule(lambda: self._send_fenced(peer))
+
+    def _schedule(self, fn: Callable[[], None]) -> None:
+        try:
+            self.loop.call_soon(fn)
+        except Exception:  # closed: nobody to tell
+            pass
+
+    # ------------------------------------------------------------------ loop thread
+    def _close_sockets(self) -> None:
+        self._monitor.close(0)
+        self._sock.close(0)
+
+    def _send(self, peer: int, frames: list[bytes]) -> bool:
+        entry = self._peers.get(peer)
+        if entry is None:
+            return False
+        try:
+            self._sock.send_multipart([entry[0], *frames], flags=_NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                return False
+            if e.errno == errno.EAGAIN:  # queue full: a route exists
+                return True
+            raise
+        return True
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        joining = self.table.joining()
+        if not joining and self._probe_until > now + 60:
+            self._probe_until = 0.0  # the join ended
+        probing = now < self._probe_until
+        if probing or now >= self._next_ping:
+            if now >= self._next_ping:
+                self._next_ping = now + self.interval
+            for peer in self.table.live():
+                ok = self._send(peer, [self._ping])
+                if peer not in joining:
+                    self.table.route(peer, ok)
+                self.stats["heartbeats_sent"] += ok
+        for v in self.table.tick():
+            self._verdict(v, tell=True)
+        suspects = any(self.table.state(p) is PeerState.SUSPECT for p in self._peers)
+        fast = probing or suspects
+        self.loop.call_later(PROBE_S if fast else min(0.25, self.interval / 2), self._tick)
+
+    def _verdict(self, v: Verdict | None, tell: bool) -> None:
+        if v is None:
+            return
+        entry = self._peers.get(v.peer)
+        pname = entry[2] if entry else f"<worker {v.peer}>"
+        log.warning("worker %r declared worker %r dead: %s", self.name, pname, v.cause)
+        self.stats["peers_declared_dead"] += 1
+        if tell and entry is not None:
+            notice = [wire.encode_header(wire.DEAD_NOTICE, 0, [v.peer, entry[1], v.cause])]
+            for other in self.table.live():
+                if self._send(other, notice):
+                    self.stats["dead_notices_sent"] += 1
+            self._send_fenced(v.peer)
+        self.loop.guard(self._on_dead, "peer death handler", v)
+
+    def _send_fenced(self, peer: int) -> None:
+        now = time.monotonic()
+        if now - self._fenced_told.get(peer, -FENCE_REPEAT_S) < FENCE_REPEAT_S:
+            return
+        self._fenced_told[peer] = now
+        cause = self.table.cause(peer) or "it was declared dead"
+        if self._send(peer, [wire.encode_header(wire.FENCED, 0, [cause])]):
+            self.stats["fenced_sent"] += 1
+
+    def _recv_all(self) -> None:
+        sock = self._sock
+        for _ in range(1000):
+            try:
+                msg = sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            wid = wire.worker_id_of(msg[0])
+            entry = self._peers.get(wid) if wid is not None else None
+            if entry is None or len(msg) != 2:
+                self.stats["bad_frames_dropped"] += 1
+                continue
+            try:
+                kind, _, meta = wire.decode_header(msg[1])
+            except wire.MalformedMessage:
+                self.stats["bad_frames_dropped"] += 1
+                continue
+            assert wid is not None
+            self._handle(wid, entry, kind, meta)
+
+    def _handle(self, src: int, entry: tuple[bytes, int, str], kind: int, meta: Any) -> None:
+        state = self.table.state(src)
+        if kind == wire.FENCED:
+            if type(meta) is list and len(meta) == 1 and isinstance(meta[0], str) and state is not PeerState.DEAD:
+                self._on_fenced(entry[2], meta[0])
+            return
+        if state is PeerState.DEAD:
+            self.stats["fenced_dropped"] += 1
+            self._send_fenced(src)
+            return
+        if kind == wire.PING:
+            if type(meta) is not list or len(meta) != 1 or meta[0] != entry[1]:
+                self.stats["bad_frames_dropped"] += 1  # another incarnation of that rank
+                return
+            self.table.heard(src)
+            self.stats["heartbeats_received"] += 1
+            if state is PeerState.JOINING:
+                self._on_change()
+        elif kind == wire.DEAD_NOTICE:
+            if not (type(meta) is list and len(meta) == 3 and type(meta[0]) is int and isinstance(meta[2], str)):
+                self.stats["bad_frames_dropped"] += 1
+                return
+            peer, inc, cause = meta
+            if peer == self.id:
+                if inc == self.incarnation:
+                    self._on_fenced(entry[2], cause)
+                return
+            target = self._peers.get(peer)
+            if target is None or target[1] != inc:
+                return
+            self.stats["dead_notices_received"] += 1
+            self._verdict(self.table.declare(peer, f"worker {entry[2]!r} declared it dead: {cause}"), tell=False)
+        else:
+            self.stats["bad_frames_dropped"] += 1
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                parse_monitor_message(self._monitor.recv_multipart(_NOBLOCK))
+            except zmq.Again:
+                return
+            # a connection closed: probe every route for a while (Rule 3)
+            self._probe_until = max(self._probe_until, time.monotonic() + self.table.route_grace + 0.2)
