@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,3 +194,19 @@ def test_a_peer_stopped_past_the_timeout_is_dead_for_all_and_fails_fast_after_it
     assert a.agent.dead_peers() == {2}
     assert call(a.agent, 1, ECHO, ["b"]).result(5)[0] == ["b"]
     assert not isinstance(Fenced, type) or issubclass(Fenced, Exception)
+
+
+# ---------------------------------------------------------------------------- close at scale
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("workers,rounds", [(32, 3), (64, 2)])
+def test_many_workers_closing_at_once_never_abort(workers: int, rounds: int) -> None:
+    """Issue 11 item 2: libzmq aborted (``Assertion failed: !_io_error``) in Context.term()
+    when many peers closed at once (NOTE [Close] in transport.zmqagent)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from zmq_close_campaign import one_round
+
+    for r in range(rounds):
+        res = one_round(workers)
+        print(f"\n[reliability] {workers} workers closing at once, round {r + 1}: {res}")
+        assert res == {"ok": workers, "abort": 0, "failed": 0, "hung": 0}, res

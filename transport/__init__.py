@@ -26,13 +26,12 @@ from .errors import (
 from .hosts import host_id
 from .security import CurveAuth
 from .wire import FIRST_APP_KIND
+from .legacy import Agent, AgentOptions
 from .zmqagent import ZmqTransport
-
-#: the old name of the zmq implementation, kept so that old imports still work
-Agent = ZmqTransport
 
 __all__ = [
     "Agent",
+    "AgentOptions",
     "ZmqTransport",
     "Transport",
     "TransportConfig",

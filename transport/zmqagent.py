@@ -87,7 +87,7 @@ class _Pending:
 class _Peer:
     spec: PeerSpec
     rid: bytes
-    local: bool  #: same host: ipc is used
+    local: bool  #: same host (ipc is used when both sides listen on it)
     joined: bool = False  #: its HELLO / HELLO_ACK arrived
     pending: dict[int, _Pending] = field(default_factory=dict)  #: msg_id -> request awaiting it
     backlog: collections.deque = field(default_factory=collections.deque)  #: frames not yet routable
@@ -203,8 +203,8 @@ class ZmqTransport:
         plan: list[tuple[PeerSpec, bool, str | None, str | None]] = []
         for spec in others:
             eps = spec.address.endpoints
-            local = spec.address.host == self.host and "ipc" in eps and self._ipc is not None
-            scheme = "ipc" if local else "tcp"
+            local = self.config.same_host and spec.address.host == self.host
+            scheme = "ipc" if local and "ipc" in eps and self._ipc is not None else "tcp"
             if spec.id > self.id and (scheme not in eps or scheme + LIVE not in eps):
                 raise TransportError(f"worker {spec.name!r} published no {scheme} endpoint: {sorted(eps)}")
             data, live = (eps[scheme], eps[scheme + LIVE]) if spec.id > self.id else (None, None)
@@ -335,6 +335,10 @@ class ZmqTransport:
         if len(head) > wire.MAX_HEADER_BYTES:  # the receiver would drop it without a word
             raise MessageTooLarge(f"message header of {len(head)} bytes exceeds the limit of {wire.MAX_HEADER_BYTES} bytes")
         return head
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the data loop (tests inject raw frames with it)."""
+        self._schedule(fn)
 
     def _schedule(self, fn: Callable[[], None]) -> None:
         try:
