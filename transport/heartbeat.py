@@ -16,7 +16,9 @@ Rule 1: every worker pings every other worker every ``heartbeat_interval`` on th
     partitioned process; a transfer to a SIGSTOPped peer then fails within heartbeat
     timeout + interval + the tick, with PeerUnavailable).
 Rule 2: this loop runs on a thread of its own, never blocked by the data loop or its
-    callbacks: a stuck handler on the data loop does not make its worker look dead.
+    callbacks (a stuck handler on the data loop does not make its worker look dead), and
+    its socket's connections live on a libzmq I/O thread of their own (AFFINITY), so that
+    CURVE encrypting a large message, which libzmq does in one piece, cannot delay them.
 Rule 3: a killed peer's liveness connection closes at once; the socket monitor reports it,
     the loop probes the route (ROUTER_MANDATORY: a send without a connection fails with
     EHOSTUNREACH) every PROBE_S, and a route gone for ``route_grace`` is death.
@@ -83,6 +85,7 @@ class Heartbeat:
         s.setsockopt(zmq.ROUTING_ID, wire.routing_id(worker_id))
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.AFFINITY, 2)  # libzmq I/O thread 1: never busy with data (Rule 2)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 10000)
         s.setsockopt(zmq.MAXMSGSIZE, 1 << 16)

@@ -23,15 +23,26 @@ Rules:
 5. A message larger than its receiver's limit (exchanged in HELLO) raises MessageTooLarge
    at the sender; nothing is sent (a receiver's libzmq would drop the connection).
 
-NOTE [Close]: ``Assertion failed: !_io_error`` (SIGABRT) came from libzmq's ZMTP heartbeat
-timer: when a peer's connection fails while our socket terminates, the engine stops input,
-marks ``_io_error`` and waits; the heartbeat interval timer then calls ``out_event`` on it,
-which asserts. Many peers closing at once makes that likely. So: (1) no socket sets
-HEARTBEAT_IVL (liveness has its own PINGs, NOTE [Liveness]); without the timer the path does
-not exist. (2) close stops the heartbeat loop first (its socket closes with linger 0: PINGs
-need no delivery), then the data loop, whose socket closes with ``linger`` after the
-runtime's own drain; (3) the ZAP handler closes after both sockets; (4) only then
-``Context.term()``, which the lingers bound.
+NOTE [Close]: two libzmq aborts (SIGABRT) showed up when many peers close at once, both
+reproduced by ``scripts/zmq_close_campaign.py`` on the old agent (2 of 128 processes in 4
+rounds of 32):
+(1) ``Assertion failed: !_io_error (stream_engine_base.cpp:310)``: when a connection fails,
+    the engine marks ``_io_error`` and waits to be torn down; the ZMTP heartbeat interval
+    timer then calls ``out_event`` on it, which asserts. So no socket sets HEARTBEAT_IVL
+    (liveness has its own PINGs, NOTE [Liveness]); without the timer the path is gone.
+(2) ``Assertion failed: !_more (fq.cpp:80)``: with IMMEDIATE, a connecting session whose
+    connection fails terminates its pipe at once (``reconnect()``: ``terminate(false)``),
+    even while this thread is between two frames of a message from it (libzmq processes
+    commands inside ``recv`` every 100 frames); the fair queue then finds the rest of the
+    message missing. The data socket therefore does not set IMMEDIATE (its connecting
+    pipes survive a reconnect; an accepted pipe is terminated with the delay of a non-zero
+    linger, after its messages are read). The liveness socket keeps IMMEDIATE for its
+    route probes: its messages are one frame after the routing id, which the ROUTER reads
+    whole before returning the routing id, so a pipe never goes away mid-message.
+Then: close stops the heartbeat loop first (its socket closes with linger 0: PINGs need no
+delivery), then the data loop, whose socket closes with ``linger`` after the runtime's own
+drain; the ZAP handler closes after both sockets; only then ``Context.term()``, which the
+lingers bound.
 
 NOTE [Fault injection]: tests install ``fault_hook`` to drop, delay, duplicate or reorder
 (delay one so later ones overtake) outgoing messages by label. It sits after a request is
@@ -126,7 +137,10 @@ class ZmqTransport:
         self._join_error: AuthenticationFailed | None = None
         self._ipc: IpcDir | None = None
         self.endpoints: list[str] = []
-        self._ctx = zmq.Context(io_threads=1)
+        #: two libzmq I/O threads: data connections on the first, liveness on the second
+        #: (AFFINITY), so that encrypting or decrypting a large message (CURVE works on a whole
+        #: message at once) never holds up a heartbeat (NOTE [Liveness], Rule 2)
+        self._ctx = zmq.Context(io_threads=2)
         self._ctx.setsockopt(zmq.LINGER, int(c.linger * 1000))
         #: bound before the sockets bind, closed after them (NOTE [Authentication], Rule 3)
         self._zap = security.ZapHandler(self._ctx, auth, self.stats) if auth is not None else None
@@ -152,8 +166,8 @@ class ZmqTransport:
         c = self.config
         s = self._ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTING_ID, wire.routing_id(self.id))
-        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # no IMMEDIATE: NOTE [Close] (2)
+        s.setsockopt(zmq.AFFINITY, 1)  # libzmq I/O thread 0
         s.setsockopt(zmq.LINGER, int(c.linger * 1000))
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.RCVHWM, 0)
