@@ -10,22 +10,23 @@ gigabyte, the heartbeat times out mid-transfer, libzmq closes the connection and
 partial message vanishes; the route returns 100 ms later, so nobody is declared dead and
 the caller waits for its full timeout. So:
 
-Rule 1: every worker pings every other worker every ``heartbeat_interval`` on the liveness
-    socket, whose connections never carry data, so a PING is never stuck behind a payload.
-    A peer not heard from for ``heartbeat_timeout`` is declared dead (a stopped, hung or
-    partitioned process; a transfer to a SIGSTOPped peer then fails within heartbeat
-    timeout + interval + the tick, with PeerUnavailable).
-Rule 2: this loop runs on a thread of its own, never blocked by the data loop or its
-    callbacks (a stuck handler on the data loop does not make its worker look dead), and
-    its socket's connections live on a libzmq I/O thread of their own (AFFINITY), so that
-    CURVE encrypting a large message, which libzmq does in one piece, cannot delay them.
-Rule 3: a killed peer's liveness connection closes at once; the socket monitor reports it,
-    the loop probes the route (ROUTER_MANDATORY: a send without a connection fails with
-    EHOSTUNREACH) every PROBE_S, and a route gone for ``route_grace`` is death.
-Rule 4: neither socket uses ZMTP heartbeats (HEARTBEAT_IVL stays 0): libzmq's heartbeat
-    timer can call out_event() on an engine that already met an I/O error and abort the
-    process (``Assertion failed: !_io_error``, issue 11 item 2; NOTE [Close] in
-    ``transport.zmqagent``).
+Rule 1: every pair of workers has a second connection, on the liveness socket, that never
+    carries data: only small PING, DEAD_NOTICE and FENCED messages. ZMTP heartbeats
+    (HEARTBEAT_IVL / TIMEOUT / TTL) run on it and on it only, so a PONG never waits behind
+    a payload, and libzmq's own thread answers them: a process whose Python threads are
+    stuck, or whose GIL is held by a long C call, is not declared dead (only call timeouts
+    bound it). A dead, stopped or partitioned peer has this connection closed by libzmq.
+Rule 2: the connections of the liveness socket live on a libzmq I/O thread of their own
+    (AFFINITY), so that CURVE encrypting a large message, which libzmq does in one piece on
+    the data connection's I/O thread, cannot delay a PONG; and this loop runs on a Python
+    thread of its own, never blocked by the data loop or its callbacks.
+Rule 3: on every disconnect the socket monitor reports, the loop probes the routes
+    (ROUTER_MANDATORY: a send without a connection fails with EHOSTUNREACH) every PROBE_S;
+    a route gone for ``route_grace`` is death (the table, Rule 2 a). A transfer to a peer
+    that stopped mid-way thus fails with PeerUnavailable within heartbeat timeout +
+    interval + route_grace.
+Rule 4: the data socket has no ZMTP heartbeats at all (NOTE [Close] in
+    ``transport.zmqagent`` for the abort their timer causes).
 
 NOTE [Membership]: when this worker declares peer P dead on its own evidence, it sends
 DEAD_NOTICE [P, P's incarnation, cause] to every other live member, and FENCED [cause] to P
@@ -55,7 +56,8 @@ from .loop import IOLoop
 log = logging.getLogger("rrefrt.transport")
 
 PROBE_S = 0.05  #: route probe period while a connection was lost or a peer is joining
-FENCE_REPEAT_S = 0.5  #: at most one FENCED per dead peer in this period
+FENCE_REPEAT_S = 0.2  #: at most one FENCED per dead peer in this period
+FENCE_RETRY_S = 60.0  #: how long FENCED is retried to a dead peer (until its route returns)
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
@@ -89,7 +91,11 @@ class Heartbeat:
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 10000)
         s.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+        s.setsockopt(zmq.RCVHWM, 0)  # input never stops for a full pipe (NOTE [Close] (1))
         s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval * 1000)))
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(table.heartbeat_timeout * 1000)))
+        s.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(table.heartbeat_timeout * 1000)))
         if auth is not None:
             security.configure_keys(s, auth)
         self._monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
@@ -97,9 +103,10 @@ class Heartbeat:
         self.loop.register(self._monitor, self._read_monitor)
         self._peers: dict[int, tuple[bytes, int, str]] = {}  #: id -> (routing id, incarnation, name)
         self._fenced_told: dict[int, float] = {}  #: dead peer -> when we last sent it FENCED
+        self._dead_since: dict[int, float] = {}  #: dead peer -> when; FENCED retried for FENCE_RETRY_S
         self._probe_until = 0.0  #: probe every route every PROBE_S until then (Rule 3)
-        self._next_ping = 0.0
-        self._ping = wire.encode_header(wire.PING, 0, [incarnation])
+        self._ping = wire.encode_header(wire.PING, 0, [incarnation, True])  #: a probe that asks for an answer
+        self._pong = wire.encode_header(wire.PING, 0, [incarnation, False])  #: the answer
         self.endpoints: list[str] = []
 
     # ------------------------------------------------------------------ setup (before start)
@@ -165,23 +172,30 @@ class Heartbeat:
         return True
 
     def _tick(self) -> None:
+        """Probe routes while joining, after a disconnect and while a peer is suspect; judge
+        the table; retry FENCED to dead peers whose route may have come back. After the
+        join no PING flows otherwise: ZMTP heartbeats keep the connections honest, and a
+        quiet liveness socket keeps libzmq clear of NOTE [Close] (1) while peers close."""
         now = time.monotonic()
         joining = self.table.joining()
         if not joining and self._probe_until > now + 60:
             self._probe_until = 0.0  # the join ended
+        suspects = [p for p in self._peers if self.table.state(p) is PeerState.SUSPECT]
         probing = now < self._probe_until
-        if probing or now >= self._next_ping:
-            if now >= self._next_ping:
-                self._next_ping = now + self.interval
-            for peer in self.table.live():
+        if probing or suspects:
+            for peer in self.table.live() if probing else suspects:
                 ok = self._send(peer, [self._ping])
                 if peer not in joining:
                     self.table.route(peer, ok)
-                self.stats["heartbeats_sent"] += ok
+                self.stats["route_probes"] += 1
         for v in self.table.tick():
             self._verdict(v, tell=True)
-        suspects = any(self.table.state(p) is PeerState.SUSPECT for p in self._peers)
-        fast = probing or suspects
+        for peer, since in list(self._dead_since.items()):
+            if now - since > FENCE_RETRY_S:
+                del self._dead_since[peer]
+            else:
+                self._send_fenced(peer)
+        fast = probing or suspects or self._dead_since
         self.loop.call_later(PROBE_S if fast else min(0.25, self.interval / 2), self._tick)
 
     def _verdict(self, v: Verdict | None, tell: bool) -> None:
@@ -191,6 +205,7 @@ class Heartbeat:
         pname = entry[2] if entry else f"<worker {v.peer}>"
         log.warning("worker %r declared worker %r dead: %s", self.name, pname, v.cause)
         self.stats["peers_declared_dead"] += 1
+        self._dead_since[v.peer] = time.monotonic()
         if tell and entry is not None:
             notice = [wire.encode_header(wire.DEAD_NOTICE, 0, [v.peer, entry[1], v.cause])]
             for other in self.table.live():
@@ -207,6 +222,7 @@ class Heartbeat:
         cause = self.table.cause(peer) or "it was declared dead"
         if self._send(peer, [wire.encode_header(wire.FENCED, 0, [cause])]):
             self.stats["fenced_sent"] += 1
+            self._dead_since.pop(peer, None)  # told: no more retries
 
     def _recv_all(self) -> None:
         sock = self._sock
@@ -231,7 +247,8 @@ class Heartbeat:
     def _handle(self, src: int, entry: tuple[bytes, int, str], kind: int, meta: Any) -> None:
         state = self.table.state(src)
         if kind == wire.FENCED:
-            if type(meta) is list and len(meta) == 1 and isinstance(meta[0], str) and state is not PeerState.DEAD:
+            # authoritative even from a peer we hold dead: it is alive and says we are out
+            if type(meta) is list and len(meta) == 1 and isinstance(meta[0], str):
                 self._on_fenced(entry[2], meta[0])
             return
         if state is PeerState.DEAD:
@@ -239,9 +256,11 @@ class Heartbeat:
             self._send_fenced(src)
             return
         if kind == wire.PING:
-            if type(meta) is not list or len(meta) != 1 or meta[0] != entry[1]:
+            if type(meta) is not list or len(meta) != 2 or meta[0] != entry[1]:
                 self.stats["bad_frames_dropped"] += 1  # another incarnation of that rank
                 return
+            if meta[1]:  # the sender is joining: it must hear us even if we are done
+                self._send(src, [self._pong])
             self.table.heard(src)
             self.stats["heartbeats_received"] += 1
             if state is PeerState.JOINING:

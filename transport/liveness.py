@@ -10,11 +10,12 @@ Rule 1: every transition is an entry of ``TRANSITIONS``; a (state, event) pair t
     in the table leaves the state as it is. DEAD is final: a peer declared dead is fenced
     for the life of the transport (its late messages are dropped, it is told FENCED).
 Rule 2: a peer is declared dead when (a) its route has been gone for ``route_grace`` seconds
-    (a killed peer: its connection closes at once), (b) nothing was heard from it for
-    ``heartbeat_timeout`` seconds once it was up (a stopped or partitioned peer), or (c)
-    another member says so (DEAD_NOTICE). Nothing here depends on how long one data message
-    takes to move: heartbeats travel on their own connection (NOTE [Liveness] in
-    ``transport.heartbeat``).
+    (a killed peer: its connection closes at once; a stopped or partitioned one: its
+    connection is closed by the ZMTP heartbeat timeout), (b) with ``judge_silence``, nothing
+    was heard from it for ``heartbeat_timeout`` seconds once it was up, or (c) another
+    member says so (DEAD_NOTICE). The zmq transport judges by (a) and (c) only, so that a
+    process whose GIL is held for long is not declared dead (NOTE [Liveness] in
+    ``transport.heartbeat``); (b) is for transports without such heartbeats.
 Rule 3: when the table itself was not ticked for ``heartbeat_timeout / 2`` (this process was
     stopped, or starved of CPU), silence proves nothing about the others: every clock of
     "last heard" restarts at the late tick, so that a process resumed after SIGSTOP first
@@ -81,9 +82,10 @@ class _Entry:
 
 class LivenessTable:
     def __init__(
-        self, heartbeat_timeout: float, route_grace: float, clock: Callable[[], float]
+        self, heartbeat_timeout: float, route_grace: float, clock: Callable[[], float], judge_silence: bool = True
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        self.judge_silence = judge_silence  #: Rule 2 (b)
         self.route_grace = route_grace
         self._clock = clock
         self._lock = threading.Lock()
@@ -167,7 +169,11 @@ class LivenessTable:
                 if e.state is S.SUSPECT and now - e.lost_at > self.route_grace:
                     cause = f"its connection was lost for over {self.route_grace:.1f}s"
                     event = E.GRACE_EXPIRED
-                elif e.state in (S.UP, S.SUSPECT) and now - e.heard_at > self.heartbeat_timeout:
+                elif (
+                    self.judge_silence
+                    and e.state in (S.UP, S.SUSPECT)
+                    and now - e.heard_at > self.heartbeat_timeout
+                ):
                     cause = f"it sent no heartbeat for over {self.heartbeat_timeout:.1f}s"
                     event = E.SILENT
                 else:
@@ -183,7 +189,7 @@ class LivenessTable:
             due = [
                 e.lost_at + self.route_grace if e.state is S.SUSPECT else e.heard_at + self.heartbeat_timeout
                 for e in self._peers.values()
-                if e.state in (S.UP, S.SUSPECT)
+                if e.state is S.SUSPECT or (e.state is S.UP and self.judge_silence)
             ]
         return min(due) if due else None
 

@@ -24,8 +24,9 @@ A message is one ZeroMQ multipart message on a ROUTER-to-ROUTER mesh::
                     receiver's limit and raises MessageTooLarge at the call site
     HELLO_ACK (2)   [incarnation, name, max_message_size]: the route back is up
     PING (3)        data socket: None, probes a route, ignored by the receiver.
-                    liveness socket: [incarnation], the heartbeat (NOTE [Liveness] in
-                    transport.heartbeat)
+                    liveness socket: [incarnation, answer wanted], a route probe; sent
+                    while joining, after a disconnect and to suspects (NOTE [Liveness] in
+                    transport.heartbeat); answered with [incarnation, false] when wanted
     RESPONSE (4)    answer to the request msg_id; meta and frames belong to the runtime
     DEAD_NOTICE (5) liveness socket: [peer id, peer incarnation, cause]: the sender
                     declared that peer dead; the receiver declares it dead too, naming the

@@ -149,7 +149,7 @@ class ZmqTransport:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | security.HANDSHAKE_EVENTS
         )
         self._policy = JoinPolicy(c.name, self.stats)
-        self.table = LivenessTable(c.heartbeat_timeout, c.route_grace, time.monotonic)
+        self.table = LivenessTable(c.heartbeat_timeout, c.route_grace, time.monotonic, judge_silence=False)
         self._hb = Heartbeat(
             self._ctx, c.worker_id, c.name, c.incarnation, c.heartbeat_interval, self.table, auth, self.stats,
             self._peer_verdict, self._on_fenced, self._wake_join,
@@ -398,11 +398,15 @@ class ZmqTransport:
         table = self._peers[p.dest].pending if p.dest != self.id else self._self_pending
         table[p.msg_id] = p
         if p.timeout > 0:
-            self._loop.call_later(p.timeout, lambda: self._expire(table, p))
+            # the timer holds the id, never the request: a completed request's on_done (and
+            # whatever its future holds, a traceback with RRefs, say) must not live on until
+            # the deadline
+            self._loop.call_later(p.timeout, lambda t=table, m=p.msg_id: self._expire(t, m))
         self._send_faulty(p.dest, frames, label)
 
-    def _expire(self, table: dict[int, _Pending], p: _Pending) -> None:
-        if table.pop(p.msg_id, None) is p:
+    def _expire(self, table: dict[int, _Pending], msg_id: int) -> None:
+        p = table.pop(msg_id, None)
+        if p is not None:
             self.stats["requests_timed_out"] += 1
             self._fail(p, RequestTimeout(self.peer_name(p.dest), p.timeout))
 
