@@ -109,3 +109,17 @@ def test_next_deadline_and_the_transition_table() -> None:
     assert not [k for k in TRANSITIONS if k[0] is PeerState.DEAD]
     assert TRANSITIONS[(PeerState.SUSPECT, Event.HEARD)] is PeerState.UP
     assert {v for v in TRANSITIONS.values()} == {PeerState.UP, PeerState.SUSPECT, PeerState.DEAD}
+
+
+def test_without_judging_silence_only_a_lost_route_or_a_notice_kills() -> None:
+    """The zmq transport: libzmq's heartbeats close the connection of a silent peer, so
+    silence alone (a held GIL, say) is never death."""
+    clock = Clock()
+    t = LivenessTable(0.6, 0.5, clock, judge_silence=False)
+    t.add([1])
+    t.heard(1)
+    assert run(t, clock, clock.t + 30.0) == [] and t.state(1) is PeerState.UP
+    assert t.next_deadline() is None
+    t.route(1, False)
+    verdicts = run(t, clock, clock.t + 1.0)
+    assert [v.peer for v in verdicts] == [1]

@@ -26,10 +26,14 @@ Rules:
 NOTE [Close]: two libzmq aborts (SIGABRT) showed up when many peers close at once, both
 reproduced by ``scripts/zmq_close_campaign.py`` on the old agent (2 of 128 processes in 4
 rounds of 32):
-(1) ``Assertion failed: !_io_error (stream_engine_base.cpp:310)``: when a connection fails,
-    the engine marks ``_io_error`` and waits to be torn down; the ZMTP heartbeat interval
-    timer then calls ``out_event`` on it, which asserts. So no socket sets HEARTBEAT_IVL
-    (liveness has its own PINGs, NOTE [Liveness]); without the timer the path is gone.
+(1) ``Assertion failed: !_io_error (stream_engine_base.cpp:310)``: when an engine cannot
+    push a received message to its pipe (the pipe is full, or terminating because a socket
+    closes), it stops input and marks ``_io_error``; the ZMTP heartbeat interval timer then
+    calls ``out_event`` on it, which asserts. So the data socket, which carries nearly all
+    messages, sets no HEARTBEAT_IVL; the liveness socket, which needs ZMTP heartbeats
+    (NOTE [Liveness]), has RCVHWM 0 (never full) and carries no message at all after the
+    join unless a connection was lost (route probes), so there is next to nothing to push
+    while peers close.
 (2) ``Assertion failed: !_more (fq.cpp:80)``: with IMMEDIATE, a connecting session whose
     connection fails terminates its pipe at once (``reconnect()``: ``terminate(false)``),
     even while this thread is between two frames of a message from it (libzmq processes
