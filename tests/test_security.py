@@ -233,8 +233,9 @@ def test_agents_with_the_same_secret_form_the_mesh(agents: _Agents) -> None:
     assert errors == {0: None, 1: None, 2: None}, errors
     print(f"\n3 CURVE agents joined in {time.monotonic() - t0:.3f}s")
     # every accepted connection went through the ZAP handler: w1 accepts w0, w2 accepts w0 and
-    # w1, each twice (the data and the liveness connection)
-    assert [a.stats["zap_admitted"] for a, _ in made] == [0, 2, 4]
+    # w1, each on the data and the heartbeat socket; and every worker's echo accepts the
+    # heartbeat socket of each other worker
+    assert [a.stats["zap_admitted"] for a, _ in made] == [0 + 2, 2 + 2, 4 + 2]
     assert all(a.stats["zap_denied"] == 0 and a.stats["handshake_failures"] == 0 for a, _ in made)
 
 
@@ -268,7 +269,7 @@ def test_raw_connection_during_the_join_never_gets_its_pickle_decoded(agents: _A
     victim, endpoint = agents.make(1, 2, secret, on_message)
     absent = free_port()  # worker 0 never comes: its record points nowhere
     nowhere = f"tcp://127.0.0.1:{absent}"
-    peers = [PeerSpec(0, "w0", 1000, PeerAddress("elsewhere", {"tcp": nowhere, "tcp-live": nowhere})),
+    peers = [PeerSpec(0, "w0", 1000, PeerAddress("elsewhere", {"tcp": nowhere, "tcp-live": nowhere, "tcp-echo": nowhere})),
              PeerSpec(1, "w1", 1001, agents.addresses[endpoint])]
     result: dict[int, BaseException | None] = {}
     join_timeout = 3.0 if secret is None else 20.0  # the control ends on its timeout

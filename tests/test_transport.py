@@ -459,7 +459,7 @@ def test_garbage_is_dropped_counted_and_survived(mesh: Mesh) -> None:
     # id 1 ("ghost") is in A's table but never joins, so A still waits for its HELLO.
     a = mesh.local(2, "A")
     b = mesh.child(3, "B")
-    ghost = PeerSpec(1, "ghost", 12345, PeerAddress("nowhere", {"tcp": "tcp://127.0.0.1:1", "tcp-live": "tcp://127.0.0.1:1"}))
+    ghost = PeerSpec(1, "ghost", 12345, PeerAddress("nowhere", {"tcp": "tcp://127.0.0.1:1", "tcp-live": "tcp://127.0.0.1:1", "tcp-echo": "tcp://127.0.0.1:1"}))
     b.wait_hello()
     b.send_line([spec_to_json(s) for s in (a.spec, b.spec)])
     with pytest.raises(TransportError, match="ghost"):

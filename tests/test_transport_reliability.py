@@ -87,7 +87,7 @@ def test_ipc_sockets_live_in_a_private_directory_removed_on_close_and_stale_ones
         assert not os.path.exists(d), "ipc directory left behind on close"
         # RREFRT_NO_IPC=1 / same_host=False: no ipc at all
         t = create(TransportConfig(0, "B", 1, same_host=False), lambda *a: None, lambda *a: None)
-        assert set(t.listen().endpoints) == {"tcp", "tcp-live"}
+        assert set(t.listen().endpoints) == {"tcp", "tcp-live", "tcp-echo"}
         t.close()
     finally:
         os.rmdir(mine_alive)

@@ -1,32 +1,36 @@
 """The heartbeat loop: liveness judged on a connection of its own, and membership spread.
 
-Owns: the liveness socket (a second ROUTER socket that carries only PING, DEAD_NOTICE and
-FENCED), its thread (an ``IOLoop``), and the ``LivenessTable`` it feeds. Imports only zmq,
+Owns: the heartbeat socket (a second ROUTER socket that carries only PING, DEAD_NOTICE and
+FENCED, connected to every peer's echo socket and to the heartbeat sockets of higher ids),
+its thread (an ``IOLoop``), and the ``LivenessTable`` it feeds. Imports only zmq,
 the transport's own modules and the standard library.
 
 NOTE [Liveness]: liveness must not depend on how long one data message takes to move (issue
-11 item 1). ZMTP heartbeats on the data connection did: a PONG queues behind a message of a
-gigabyte, the heartbeat times out mid-transfer, libzmq closes the connection and the
-partial message vanishes; the route returns 100 ms later, so nobody is declared dead and
-the caller waits for its full timeout. So:
+11 item 1), must not depend on the GIL (a handler that holds it is slow, not dead), and must
+not use ZMTP heartbeats (their timer aborts libzmq, NOTE [Close] in transport.zmqagent). ZMTP
+heartbeats on the data connection failed the first: a PONG queued behind a message of a
+gigabyte, the heartbeat timed out mid-transfer, libzmq closed the connection and the partial
+message vanished; the route returned 100 ms later, so nobody was declared dead. So:
 
-Rule 1: every pair of workers has a second connection, on the liveness socket, that never
-    carries data: only small PING, DEAD_NOTICE and FENCED messages. ZMTP heartbeats
-    (HEARTBEAT_IVL / TIMEOUT / TTL) run on it and on it only, so a PONG never waits behind
-    a payload, and libzmq's own thread answers them: a process whose Python threads are
-    stuck, or whose GIL is held by a long C call, is not declared dead (only call timeouts
-    bound it). A dead, stopped or partitioned peer has this connection closed by libzmq.
-Rule 2: the connections of the liveness socket live on a libzmq I/O thread of their own
+Rule 1: every worker runs an echo socket (``transport.echo``): libzmq sends back whatever
+    reaches it, on a thread that runs without the GIL. Every worker's heartbeat socket
+    connects to every peer's echo and sends it a PING every ``heartbeat_interval``; the echo
+    coming back is the heartbeat. These connections never carry data, so a PING never waits
+    behind a payload; a peer whose echo stays silent for ``heartbeat_timeout`` is declared
+    dead (a stopped, frozen or partitioned process). Python threads of the peer play no
+    part: a deadlocked handler or a long-held GIL is not a death (call timeouts bound it).
+Rule 2: the liveness sockets' connections live on a libzmq I/O thread of their own
     (AFFINITY), so that CURVE encrypting a large message, which libzmq does in one piece on
-    the data connection's I/O thread, cannot delay a PONG; and this loop runs on a Python
-    thread of its own, never blocked by the data loop or its callbacks.
-Rule 3: on every disconnect the socket monitor reports, the loop probes the routes
-    (ROUTER_MANDATORY: a send without a connection fails with EHOSTUNREACH) every PROBE_S;
-    a route gone for ``route_grace`` is death (the table, Rule 2 a). A transfer to a peer
-    that stopped mid-way thus fails with PeerUnavailable within heartbeat timeout +
-    interval + route_grace.
-Rule 4: the data socket has no ZMTP heartbeats at all (NOTE [Close] in
-    ``transport.zmqagent`` for the abort their timer causes).
+    the data connection's I/O thread, cannot delay an echo; and this loop runs on a Python
+    thread of its own, never blocked by the data loop or its callbacks. The table does not
+    judge anyone by silence after this thread itself was stalled (liveness Rule 3).
+Rule 3: a killed peer's connections close at once; the socket monitor reports it, the loop
+    probes the routes to the echoes (ROUTER_MANDATORY with IMMEDIATE: a send without a
+    connection fails with EHOSTUNREACH) every PROBE_S, and a route gone for ``route_grace``
+    is death. A transfer to a peer stopped mid-way fails with PeerUnavailable within
+    heartbeat timeout + interval + the tick.
+Rule 4: no socket sets HEARTBEAT_IVL. Heartbeat-socket messages are one frame after the
+    routing id (NOTE [Close] (2) in transport.zmqagent).
 
 NOTE [Membership]: when this worker declares peer P dead on its own evidence, it sends
 DEAD_NOTICE [P, P's incarnation, cause] to every other live member, and FENCED [cause] to P
@@ -50,6 +54,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import security, wire
+from .echo import echo_id
 from .liveness import LivenessTable, PeerState, Verdict
 from .loop import IOLoop
 
@@ -91,11 +96,8 @@ class Heartbeat:
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 10000)
         s.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
-        s.setsockopt(zmq.RCVHWM, 0)  # input never stops for a full pipe (NOTE [Close] (1))
-        s.setsockopt(zmq.RECONNECT_IVL, 100)
-        s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval * 1000)))
-        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(table.heartbeat_timeout * 1000)))
-        s.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(table.heartbeat_timeout * 1000)))
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)  # no HEARTBEAT_*: Rule 4
         if auth is not None:
             security.configure_keys(s, auth)
         self._monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
@@ -105,8 +107,9 @@ class Heartbeat:
         self._fenced_told: dict[int, float] = {}  #: dead peer -> when we last sent it FENCED
         self._dead_since: dict[int, float] = {}  #: dead peer -> when; FENCED retried for FENCE_RETRY_S
         self._probe_until = 0.0  #: probe every route every PROBE_S until then (Rule 3)
-        self._ping = wire.encode_header(wire.PING, 0, [incarnation, True])  #: a probe that asks for an answer
-        self._pong = wire.encode_header(wire.PING, 0, [incarnation, False])  #: the answer
+        self._next_beat = 0.0
+        self._echo_peer: dict[bytes, int] = {}  #: echo routing id -> peer id
+        self._ping = wire.encode_header(wire.PING, 0, [incarnation, True])  #: what we send to echoes
         self.endpoints: list[str] = []
 
     # ------------------------------------------------------------------ setup (before start)
@@ -122,16 +125,20 @@ class Heartbeat:
         self.loop.start()
         self.loop.call_soon(self._tick)
 
-    def join(self, peers: list[tuple[int, str, int, str | None]]) -> None:
-        """Any thread: (id, name, incarnation, endpoint to connect or None) per peer."""
+    def join(self, peers: list[tuple[int, str, int, str | None, str]]) -> None:
+        """Any thread: (id, name, incarnation, heartbeat endpoint to connect or None, echo
+        endpoint) per peer."""
 
         def setup() -> None:
-            for pid, pname, inc, endpoint in peers:
+            for pid, pname, inc, endpoint, echo in peers:
                 self._peers[pid] = (wire.routing_id(pid), inc, pname)
-                if endpoint is not None:
+                self._echo_peer[echo_id(pid)] = pid
+                for ep in (endpoint, echo):
+                    if ep is None:
+                        continue
                     if self._auth is not None:
                         security.configure_client(self._sock, self._auth, pid)
-                    self._sock.connect(endpoint)
+                    self._sock.connect(ep)
             self.table.add(p[0] for p in peers)
             self._probe_until = time.monotonic() + 3600.0  # until the join ends: see _tick
 
@@ -171,23 +178,35 @@ class Heartbeat:
             raise
         return True
 
+    def _beat(self, peer: int) -> bool:
+        """PING ``peer``'s echo; False when there is no route to it (Rule 3)."""
+        try:
+            self._sock.send_multipart([echo_id(peer), self._ping], flags=_NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                return False
+            if e.errno == errno.EAGAIN:
+                return True
+            raise
+        return True
+
     def _tick(self) -> None:
-        """Probe routes while joining, after a disconnect and while a peer is suspect; judge
-        the table; retry FENCED to dead peers whose route may have come back. After the
-        join no PING flows otherwise: ZMTP heartbeats keep the connections honest, and a
-        quiet liveness socket keeps libzmq clear of NOTE [Close] (1) while peers close."""
+        """Beat every interval; probe every route while joining or after a disconnect, and
+        suspects; judge the table; retry FENCED to dead peers whose route may be back."""
         now = time.monotonic()
         joining = self.table.joining()
         if not joining and self._probe_until > now + 60:
             self._probe_until = 0.0  # the join ended
+        due = now >= self._next_beat
+        if due:
+            self._next_beat = now + self.interval
         suspects = [p for p in self._peers if self.table.state(p) is PeerState.SUSPECT]
         probing = now < self._probe_until
-        if probing or suspects:
-            for peer in self.table.live() if probing else suspects:
-                ok = self._send(peer, [self._ping])
-                if peer not in joining:
-                    self.table.route(peer, ok)
-                self.stats["route_probes"] += 1
+        for peer in self.table.live() if (due or probing) else suspects:
+            ok = self._beat(peer)
+            if peer not in joining:
+                self.table.route(peer, ok)
+            self.stats["heartbeats_sent"] += ok
         for v in self.table.tick():
             self._verdict(v, tell=True)
         for peer, since in list(self._dead_since.items()):
@@ -231,6 +250,17 @@ class Heartbeat:
                 msg = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
+            echoed = self._echo_peer.get(msg[0])
+            if echoed is not None:  # our PING back from that peer's echo: a heartbeat
+                if len(msg) == 2 and msg[1] == self._ping and self.table.state(echoed) is not PeerState.DEAD:
+                    was_joining = self.table.state(echoed) is PeerState.JOINING
+                    self.table.heard(echoed)
+                    self.stats["heartbeats_received"] += 1
+                    if was_joining:
+                        self._on_change()
+                else:
+                    self.stats["bad_frames_dropped"] += 1
+                continue
             wid = wire.worker_id_of(msg[0])
             entry = self._peers.get(wid) if wid is not None else None
             if entry is None or len(msg) != 2:
@@ -255,16 +285,8 @@ class Heartbeat:
             self.stats["fenced_dropped"] += 1
             self._send_fenced(src)
             return
-        if kind == wire.PING:
-            if type(meta) is not list or len(meta) != 2 or meta[0] != entry[1]:
-                self.stats["bad_frames_dropped"] += 1  # another incarnation of that rank
-                return
-            if meta[1]:  # the sender is joining: it must hear us even if we are done
-                self._send(src, [self._pong])
-            self.table.heard(src)
-            self.stats["heartbeats_received"] += 1
-            if state is PeerState.JOINING:
-                self._on_change()
+        if kind == wire.PING:  # heartbeats go to echo sockets, not here
+            self.stats["bad_frames_dropped"] += 1
         elif kind == wire.DEAD_NOTICE:
             if not (type(meta) is list and len(meta) == 3 and type(meta[0]) is int and isinstance(meta[2], str)):
                 self.stats["bad_frames_dropped"] += 1

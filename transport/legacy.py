@@ -6,8 +6,8 @@ Owns: ``AgentOptions`` and ``Agent``, the zmq transport built the old way::
     tcp = agent.bind("tcp://host:0"); ipc = agent.bind("ipc:///tmp/...")   # opaque strings
     agent.start(); agent.connect_peers([PeerSpec(id, name, incarnation, tcp_or_ipc), ...], t)
 
-``bind`` binds a data and a liveness endpoint and returns both as one opaque string
-(``"<data>|<live>"``) that the caller publishes and hands back in ``PeerSpec.address``; for
+``bind`` binds a data, a heartbeat and an echo endpoint and returns both as one opaque string
+(``"<data>|<heartbeat>|<echo>"``) that the caller publishes and hands back in ``PeerSpec.address``; for
 ``ipc://`` the requested path is ignored and the private directory is used (NOTE [ipc socket
 files] in ``transport.hosts``). New code uses ``create(TransportConfig)``, ``listen()`` and
 ``PeerSpec(..., PeerAddress)``; ``Agent(config, on_message, on_peer_dead)`` also works.
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from . import security
 from .base import PeerAddress, PeerSpec, TransportConfig
 from .hosts import IpcDir
-from .zmqagent import LIVE, ZmqTransport
+from .zmqagent import ECHO, LIVE, ZmqTransport
 
 _SEP = "|"
 
@@ -68,18 +68,20 @@ class Agent(ZmqTransport):
             n = len(self.endpoints)
             data = self._bind_data(self._ipc.endpoint(f"d{n}"))
             live = self._hb.bind(self._ipc.endpoint(f"l{n}"))
+            echo = self._echo.bind(self._ipc.endpoint(f"e{n}"))
         else:
             data = self._bind_data(endpoint)
-            live = self._hb.bind(endpoint.rsplit(":", 1)[0] + ":0")
-        return data + _SEP + live
+            any_port = endpoint.rsplit(":", 1)[0] + ":0"
+            live, echo = self._hb.bind(any_port), self._echo.bind(any_port)
+        return _SEP.join((data, live, echo))
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         specs = []
         for s in peers:
             if isinstance(s.address, str):  # an opaque string from bind(): connect to exactly it
-                data, _, live = s.address.partition(_SEP)
+                data, live, echo = s.address.split(_SEP)
                 scheme = "ipc" if data.startswith("ipc://") else "tcp"
                 host = self.host if scheme == "ipc" else f"legacy-tcp-{s.id}"
-                s = replace(s, address=PeerAddress(host, {scheme: data, scheme + LIVE: live}))
+                s = replace(s, address=PeerAddress(host, {scheme: data, scheme + LIVE: live, scheme + ECHO: echo}))
             specs.append(s)
         super().connect_peers(specs, timeout)

@@ -71,6 +71,7 @@ from zmq.utils.monitor import parse_monitor_message
 from . import base, security, wire
 from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig
 from .errors import AgentClosed, AuthenticationFailed, Fenced, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
+from .echo import Echo
 from .heartbeat import PROBE_S, Heartbeat
 from .hosts import IpcDir, host_id
 from .joinpolicy import JoinPolicy
@@ -81,7 +82,8 @@ log = logging.getLogger("rrefrt.transport")
 
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _ZERO_COPY_MIN = 1 << 16  #: frames this large are sent without a copy (libzmq keeps a reference)
-LIVE = "-live"  #: suffix of the liveness endpoints in a PeerAddress ("tcp-live", "ipc-live")
+LIVE = "-live"  #: suffix of the heartbeat endpoints in a PeerAddress ("tcp-live", "ipc-live")
+ECHO = "-echo"  #: suffix of the echo endpoints ("tcp-echo", "ipc-echo")
 
 
 def _nbytes(f: Any) -> int:
@@ -153,11 +155,12 @@ class ZmqTransport:
             zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | security.HANDSHAKE_EVENTS
         )
         self._policy = JoinPolicy(c.name, self.stats)
-        self.table = LivenessTable(c.heartbeat_timeout, c.route_grace, time.monotonic, judge_silence=False)
+        self.table = LivenessTable(c.heartbeat_timeout, c.route_grace, time.monotonic)
         self._hb = Heartbeat(
             self._ctx, c.worker_id, c.name, c.incarnation, c.heartbeat_interval, self.table, auth, self.stats,
             self._peer_verdict, self._on_fenced, self._wake_join,
         )
+        self._echo = Echo(self._ctx, c.worker_id, auth)
         self._loop = IOLoop(f"rrefrt-io-{c.name}", self.stats, self._shutdown_data)
         self._loop.register(self._sock, self._recv_all)
         self._loop.register(self._monitor, self._read_monitor)
@@ -186,12 +189,13 @@ class ZmqTransport:
         """Bind tcp on ``config.host`` (port 0) and, unless ``config.same_host`` is False or
         RREFRT_NO_IPC=1, ipc in a private directory (NOTE [ipc socket files]); each for data
         and for liveness. Returns the address to publish."""
-        eps = {"tcp": self._bind_data(f"tcp://{self.config.host}:0"),
-               "tcp" + LIVE: self._hb.bind(f"tcp://{self.config.host}:0")}
+        tcp = f"tcp://{self.config.host}:0"
+        eps = {"tcp": self._bind_data(tcp), "tcp" + LIVE: self._hb.bind(tcp), "tcp" + ECHO: self._echo.bind(tcp)}
         if self.config.same_host and os.environ.get("RREFRT_NO_IPC") != "1":
             self._ipc = IpcDir()
             eps["ipc"] = self._bind_data(self._ipc.endpoint("d"))
             eps["ipc" + LIVE] = self._hb.bind(self._ipc.endpoint("l"))
+            eps["ipc" + ECHO] = self._echo.bind(self._ipc.endpoint("e"))
         return PeerAddress(self.host, eps)
 
     def _bind_data(self, endpoint: str) -> str:
@@ -203,6 +207,7 @@ class ZmqTransport:
         return actual
 
     def start(self) -> None:
+        self._echo.start()
         self._hb.start()
         self._loop.start()
         self._loop.call_soon(lambda: self._loop.every(self.config.heartbeat_interval, self._housekeeping))
@@ -218,21 +223,21 @@ class ZmqTransport:
                 if not 0 <= spec.id < self._auth.world_size:
                     raise TransportError(f"worker {spec.name!r} has id {spec.id}, outside the job's {self._auth.world_size} keys")
         others = [s for s in peers if s.id != self.id]
-        plan: list[tuple[PeerSpec, bool, str | None, str | None]] = []
+        plan: list[tuple[PeerSpec, bool, str | None, str | None, str]] = []
         for spec in others:
             eps = spec.address.endpoints
             local = self.config.same_host and spec.address.host == self.host
             scheme = "ipc" if local and "ipc" in eps and self._ipc is not None else "tcp"
-            if spec.id > self.id and (scheme not in eps or scheme + LIVE not in eps):
-                raise TransportError(f"worker {spec.name!r} published no {scheme} endpoint: {sorted(eps)}")
+            if scheme + ECHO not in eps or (spec.id > self.id and (scheme not in eps or scheme + LIVE not in eps)):
+                raise TransportError(f"worker {spec.name!r} published no {scheme} endpoints: {sorted(eps)}")
             data, live = (eps[scheme], eps[scheme + LIVE]) if spec.id > self.id else (None, None)
-            plan.append((spec, local, data, live))
+            plan.append((spec, local, data, live, eps[scheme + ECHO]))
             self._local[spec.id], self._names[spec.id] = local, spec.name
 
         def setup() -> None:
             now = time.monotonic()
             self._policy.started_at = now
-            for spec, local, data, _ in plan:
+            for spec, local, data, _, _ in plan:
                 self._peers[spec.id] = _Peer(spec, wire.routing_id(spec.id), local, hello_due=now)
                 if data is not None:
                     if self._auth is not None:  # NOTE [Authentication], Rule 2
@@ -242,7 +247,7 @@ class ZmqTransport:
             self._check_all_up()
 
         self._loop.call_soon(setup)
-        self._hb.join([(s.id, s.name, s.incarnation, live) for s, _, _, live in plan])
+        self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan])
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
             raise self._join_error
@@ -316,7 +321,12 @@ class ZmqTransport:
             return
         self._closing = True
         deadline = time.monotonic() + timeout
-        for loop in (self._hb.loop, self._loop):
+        for loop in (self._hb.loop, self._echo, self._loop):
+            if loop is self._echo:
+                if not self._echo.stop(max(0.0, deadline - time.monotonic())):
+                    log.error("the echo of %r did not stop within %.1fs; abandoning the transport", self.name, timeout)
+                    return
+                continue
             if not loop.started:
                 loop.finish()  # never started: nobody else owns its sockets
                 continue
