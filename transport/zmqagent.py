@@ -265,8 +265,10 @@ class ZmqTransport:
     ) -> int:
         """Send a request; ``on_done`` runs once, on the data loop, with the response or an
         error. ``timeout`` <= 0 means no deadline (still bounded by peer death). ``label``
-        names the message for the fault hook (tests)."""
-        self._check_usable()
+        names the message for the fault hook (tests). Once this worker was fenced, the
+        request is accepted and fails through ``on_done`` with ``Fenced``, like those
+        pending at that moment."""
+        self._check_usable(fenced_ok=True)
         self._check_size(dest, frames)
         msg_id = next(self._ids)
         out = [self._header(kind, msg_id, meta), *frames]
@@ -342,10 +344,10 @@ class ZmqTransport:
         self._closed.set()
 
     # ------------------------------------------------------------------ internals
-    def _check_usable(self) -> None:
+    def _check_usable(self, fenced_ok: bool = False) -> None:
         if os.getpid() != self._pid:
             raise AgentClosed("the transport was inherited through fork(); it is unusable in the child")
-        if self._fenced is not None:
+        if self._fenced is not None and not fenced_ok:
             raise self._fenced
         if self._closed.is_set() or self._closing:
             raise AgentClosed(f"the transport of worker {self.name!r} is closed")
