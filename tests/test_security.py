@@ -32,14 +32,16 @@ from rrefrt.messages import PYTHON_CALL
 from tests import workerfns as fns
 from tests.support import Workers, free_port, poll_for
 from transport import (
-    Agent,
-    AgentOptions,
+    PeerAddress,
+    Transport,
+    TransportConfig,
+    create,
     AuthenticationFailed,
     CurveAuth,
     PeerSpec,
     wire,
 )
-from transport import agent as agent_mod
+from transport import joinpolicy as agent_mod
 from transport.security import ZapHandler, derive_keypair
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,18 +101,19 @@ class _Agents:
     """Agents in this process, closed at teardown."""
 
     def __init__(self) -> None:
-        self.agents: list[Agent] = []
+        self.agents: list[Transport] = []
+        self.addresses: dict[str, PeerAddress] = {}  #: tcp endpoint -> the agent's address
 
-    def make(self, wid: int, world: int, secret: str | None, on_message: Any = None) -> tuple[Agent, str]:
-        auth = CurveAuth.for_job(secret, wid, world) if secret is not None else None
-        a = Agent(
-            wid, f"w{wid}", 1000 + wid,
-            on_message or (lambda *args: None), lambda peer, cause: None,
-            AgentOptions(heartbeat_interval=0.5, heartbeat_timeout=2.0, auth=auth),
-        )
+    def make(self, wid: int, world: int, secret: str | None, on_message: Any = None) -> tuple[Transport, str]:
+        config = TransportConfig(wid, f"w{wid}", 1000 + wid, heartbeat_interval=0.5, heartbeat_timeout=2.0,
+                                 secret=secret.encode() if secret is not None else None, world_size=world,
+                                 same_host=False)
+        a = create(config, on_message or (lambda *args: None), lambda peer, cause: None)
         self.agents.append(a)
-        endpoint = a.bind("tcp://127.0.0.1:0")
+        address = a.listen()
         a.start()
+        endpoint = address.endpoints["tcp"]
+        self.addresses[endpoint] = address
         return a, endpoint
 
     def close(self) -> None:
@@ -125,11 +128,11 @@ def agents() -> Iterator[_Agents]:
     made.close()
 
 
-def join_all(agents: list[Agent], peers: list[PeerSpec], timeout: float) -> dict[int, BaseException | None]:
+def join_all(agents: list[Transport], peers: list[PeerSpec], timeout: float) -> dict[int, BaseException | None]:
     """connect_peers on every agent at once; returns each one's error (or None)."""
     errors: dict[int, BaseException | None] = {}
 
-    def run(a: Agent) -> None:
+    def run(a: Transport) -> None:
         try:
             a.connect_peers(peers, timeout)
             errors[a.id] = None
@@ -224,13 +227,15 @@ def test_zap_handler_admits_only_the_jobs_curve_keys() -> None:
 # ---------------------------------------------------------------------------- agents
 def test_agents_with_the_same_secret_form_the_mesh(agents: _Agents) -> None:
     made = [agents.make(i, 3, SECRET) for i in range(3)]
-    peers = [PeerSpec(i, f"w{i}", 1000 + i, ep) for i, (_, ep) in enumerate(made)]
+    peers = [PeerSpec(i, f"w{i}", 1000 + i, agents.addresses[ep]) for i, (_, ep) in enumerate(made)]
     t0 = time.monotonic()
     errors = join_all([a for a, _ in made], peers, 10.0)
     assert errors == {0: None, 1: None, 2: None}, errors
     print(f"\n3 CURVE agents joined in {time.monotonic() - t0:.3f}s")
-    # every accepted connection went through the ZAP handler: w1 accepts w0, w2 accepts w0 and w1
-    assert [a.stats["zap_admitted"] for a, _ in made] == [0, 1, 2]
+    # every accepted connection went through the ZAP handler: w1 accepts w0, w2 accepts w0 and
+    # w1, each on the data and the heartbeat socket; and every worker's echo accepts the
+    # heartbeat socket of each other worker
+    assert [a.stats["zap_admitted"] for a, _ in made] == [0 + 2, 2 + 2, 4 + 2]
     assert all(a.stats["zap_denied"] == 0 and a.stats["handshake_failures"] == 0 for a, _ in made)
 
 
@@ -238,7 +243,7 @@ def test_agents_with_the_same_secret_form_the_mesh(agents: _Agents) -> None:
 def test_agents_that_cannot_authenticate_fail_the_join_naming_the_peer(agents: _Agents, secrets_: tuple) -> None:
     a0, ep0 = agents.make(0, 2, secrets_[0])
     a1, ep1 = agents.make(1, 2, secrets_[1])
-    peers = [PeerSpec(0, "w0", 1000, ep0), PeerSpec(1, "w1", 1001, ep1)]
+    peers = [PeerSpec(0, "w0", 1000, agents.addresses[ep0]), PeerSpec(1, "w1", 1001, agents.addresses[ep1])]
     t0 = time.monotonic()
     errors = join_all([a0, a1], peers, 30.0)
     took = time.monotonic() - t0
@@ -263,7 +268,9 @@ def test_raw_connection_during_the_join_never_gets_its_pickle_decoded(agents: _A
 
     victim, endpoint = agents.make(1, 2, secret, on_message)
     absent = free_port()  # worker 0 never comes: its record points nowhere
-    peers = [PeerSpec(0, "w0", 1000, f"tcp://127.0.0.1:{absent}"), PeerSpec(1, "w1", 1001, endpoint)]
+    nowhere = f"tcp://127.0.0.1:{absent}"
+    peers = [PeerSpec(0, "w0", 1000, PeerAddress("elsewhere", {"tcp": nowhere, "tcp-live": nowhere, "tcp-echo": nowhere})),
+             PeerSpec(1, "w1", 1001, agents.addresses[endpoint])]
     result: dict[int, BaseException | None] = {}
     join_timeout = 3.0 if secret is None else 20.0  # the control ends on its timeout
 

@@ -29,13 +29,15 @@ import pytest
 import zmq
 
 from tests.support import poll_for
-from tests.transport_helpers.peer import COUNT, ECHO, IGNORE, SHUFFLE, STALL, EchoBehaviour
+from tests.transport_helpers.peer import COUNT, ECHO, IGNORE, SHUFFLE, STALL, EchoBehaviour, spec_from_json, spec_to_json
 from transport import (
-    Agent,
     AgentClosed,
-    AgentOptions,
     MessageTooLarge,
+    PeerAddress,
     PeerSpec,
+    Transport,
+    TransportConfig,
+    create,
     PeerUnavailable,
     RequestTimeout,
     TransportError,
@@ -84,7 +86,7 @@ class Call:
         return self.meta, [as_bytes(f) for f in self.frames]
 
 
-def call(agent: Agent, dest: int, kind: int, meta: Any = None, frames: Sequence[Any] = (), timeout: float = 10.0) -> Call:
+def call(agent: Transport, dest: int, kind: int, meta: Any = None, frames: Sequence[Any] = (), timeout: float = 10.0) -> Call:
     c = Call()
     c.t_sent = time.monotonic()
     c.msg_id = agent.request(dest, kind, meta, frames, timeout, c.on_done)
@@ -94,16 +96,18 @@ def call(agent: Agent, dest: int, kind: int, meta: Any = None, frames: Sequence[
 class Local:
     """An agent in this process, answering like the peer script."""
 
-    def __init__(self, worker_id: int, name: str, options: AgentOptions | None = None) -> None:
+    def __init__(self, worker_id: int, name: str, options: dict | None = None) -> None:
         self.behaviour = EchoBehaviour(seed=worker_id)
         self.dead: list[tuple[int, str, float]] = []
         self.dead_event = threading.Event()
         self.incarnation = random.getrandbits(62)
-        self.agent = Agent(worker_id, name, self.incarnation, self.behaviour, self._on_peer_dead, options)
+        config = TransportConfig(worker_id, name, self.incarnation, **(options or {}))
+        self.agent = create(config, self.behaviour, self._on_peer_dead)
         self.behaviour.agent = self.agent
-        self.endpoint = self.agent.bind("tcp://127.0.0.1:0")
+        self.address = self.agent.listen()
+        self.endpoint = self.address.endpoints["tcp"]
         self.agent.start()
-        self.spec = PeerSpec(worker_id, name, self.incarnation, self.endpoint)
+        self.spec = PeerSpec(worker_id, name, self.incarnation, self.address)
 
     def _on_peer_dead(self, peer: int, cause: str) -> None:
         self.dead.append((peer, cause, time.monotonic()))
@@ -165,7 +169,7 @@ class Child:
     def wait_hello(self) -> PeerSpec:
         self.hello = self.expect("hello", CHILD_START_S)
         h = self.hello
-        self.spec = PeerSpec(h["id"], h["name"], h["incarnation"], h["endpoint"])
+        self.spec = spec_from_json(h)
         return self.spec
 
     def send_line(self, obj: Any) -> None:
@@ -197,7 +201,7 @@ class Mesh:
         self.locals: list[Local] = []
         self.children: list[Child] = []
 
-    def local(self, worker_id: int, name: str, options: AgentOptions | None = None) -> Local:
+    def local(self, worker_id: int, name: str, options: dict | None = None) -> Local:
         loc = Local(worker_id, name, options)
         self.locals.append(loc)
         return loc
@@ -212,7 +216,7 @@ class Mesh:
         specs = [c.spec or c.wait_hello() for c in children]
         table = ([local.spec] if local else []) + specs + list(extra)
         for c in children:
-            c.send_line([s.__dict__ for s in table])
+            c.send_line([spec_to_json(s) for s in table])
         if local is not None:
             local.agent.connect_peers(table, timeout)
         for c in children:
@@ -309,7 +313,7 @@ def test_round_trip_frames_64mb_and_1000_concurrent(mesh: Mesh) -> None:
 def test_request_timeout_within_bound(mesh: Mesh) -> None:
     # tight heartbeats, so that a stuck-but-alive peer would be wrongly declared dead quickly
     opts = dict(heartbeat_interval=0.2, heartbeat_timeout=0.6, route_grace=0.3)
-    a = mesh.local(0, "A", AgentOptions(**opts))
+    a = mesh.local(0, "A", opts)
     b = mesh.child(1, "B", opts)
     mesh.join(a, [b])
     agent = a.agent
@@ -455,9 +459,9 @@ def test_garbage_is_dropped_counted_and_survived(mesh: Mesh) -> None:
     # id 1 ("ghost") is in A's table but never joins, so A still waits for its HELLO.
     a = mesh.local(2, "A")
     b = mesh.child(3, "B")
-    ghost = PeerSpec(1, "ghost", 12345, "tcp://127.0.0.1:1")
+    ghost = PeerSpec(1, "ghost", 12345, PeerAddress("nowhere", {"tcp": "tcp://127.0.0.1:1", "tcp-live": "tcp://127.0.0.1:1", "tcp-echo": "tcp://127.0.0.1:1"}))
     b.wait_hello()
-    b.send_line([s.__dict__ for s in (a.spec, b.spec)])
+    b.send_line([spec_to_json(s) for s in (a.spec, b.spec)])
     with pytest.raises(TransportError, match="ghost"):
         a.agent.connect_peers([a.spec, b.spec, ghost], timeout=0.3)
     b.expect("ready", 10)
@@ -536,7 +540,7 @@ def test_garbage_is_dropped_counted_and_survived(mesh: Mesh) -> None:
 @pytest.mark.timeout(60)
 def test_oversized_message_raises_at_sender_and_sends_nothing(mesh: Mesh) -> None:
     limit = 1 << 20
-    a = mesh.local(0, "A", AgentOptions(max_message_size=limit))
+    a = mesh.local(0, "A", {"max_message_size": limit})
     b = mesh.child(1, "B", {"max_message_size": limit})
     mesh.join(a, [b])
     agent = a.agent
@@ -621,7 +625,7 @@ def test_close_fails_pending_promptly_and_never_hangs(mesh: Mesh) -> None:
 
 @pytest.mark.timeout(60)
 def test_close_with_a_stopped_peer_and_undelivered_data_is_bounded(mesh: Mesh) -> None:
-    a = mesh.local(0, "A", AgentOptions(linger=0.5))
+    a = mesh.local(0, "A", {"linger": 0.5})
     b = mesh.child(1, "B")
     mesh.join(a, [b])
     agent = a.agent
@@ -690,18 +694,19 @@ def test_close_racing_with_requesting_threads_completes_every_request() -> None:
 
 _UNSTARTED = """
 import gc, json
-from transport import Agent, AgentClosed
-agent = Agent(0, "unstarted", 1, lambda *a: None, lambda *a: None)
-endpoint = agent.bind("tcp://127.0.0.1:0")
+from transport import AgentClosed, TransportConfig, create
+agent = create(TransportConfig(0, "unstarted", 1), lambda *a: None, lambda *a: None)
+endpoint = agent.listen().endpoints["tcp"]
 agent.close()
 try:
     agent.request(0, 16, None, [], 1.0, lambda *a: None)
     refused = False
 except AgentClosed:
     refused = True
-again = Agent(0, "again", 2, lambda *a: None, lambda *a: None)
+again = create(TransportConfig(0, "again", 2, host=endpoint.split("//")[1].rsplit(":", 1)[0]), lambda *a: None, lambda *a: None)
 try:
-    rebound = again.bind(endpoint) == endpoint
+    again._bind_data(endpoint)
+    rebound = True
 except Exception as e:
     rebound = repr(e)
 again.close()

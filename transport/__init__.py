@@ -1,30 +1,57 @@
-"""rrefrt's messaging layer: a ZeroMQ ROUTER mesh with msgpack headers and raw buffer frames.
+"""rrefrt's messaging layer: the transport seam (``transport.base``) and its implementations.
 
-Knows nothing about RRefs; imports only zmq, msgpack and the standard library.
+The built-in implementation is a ZeroMQ ROUTER mesh with msgpack headers and raw buffer
+frames (``transport.zmqagent``, registered as ``"zmq"``). Knows nothing about RRefs;
+imports only zmq, msgpack and the standard library.
+
+The runtime uses it as::
+
+    t = transport.create(TransportConfig(...), on_message, on_peer_dead)
+    address = t.listen()            # publish address.to_wire() at rendezvous
+    t.start()
+    t.connect_peers([PeerSpec(rank, name, incarnation, PeerAddress.from_wire(d)), ...], timeout)
 """
 
-from .agent import Agent, AgentOptions, PeerSpec
+from . import wire
+from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, Transport, TransportConfig, create, register, registered
 from .errors import (
     AgentClosed,
     AuthenticationFailed,
+    Fenced,
     MessageTooLarge,
     PeerUnavailable,
     RequestTimeout,
     TransportError,
 )
+from .hosts import host_id
 from .security import CurveAuth
 from .wire import FIRST_APP_KIND
+from .legacy import Agent, AgentOptions
+from .zmqagent import ZmqTransport
 
 __all__ = [
     "Agent",
     "AgentOptions",
+    "ZmqTransport",
+    "Transport",
+    "TransportConfig",
+    "PeerAddress",
     "PeerSpec",
+    "OnDone",
+    "OnMessage",
+    "OnPeerDead",
+    "create",
+    "register",
+    "registered",
+    "host_id",
     "AgentClosed",
     "AuthenticationFailed",
     "CurveAuth",
+    "Fenced",
     "MessageTooLarge",
     "PeerUnavailable",
     "RequestTimeout",
     "TransportError",
     "FIRST_APP_KIND",
+    "wire",
 ]

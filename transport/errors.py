@@ -34,6 +34,21 @@ class AgentClosed(TransportError):
     """The agent was closed (shutdown) or is used from a forked child."""
 
 
+class Fenced(AgentClosed):
+    """Another member declared this worker dead (it was stopped, hung or cut off past the
+    heartbeat timeout) and expelled it: every pending and later request fails with this.
+    ``by`` names the worker that declared it, ``cause`` says why."""
+
+    def __init__(self, worker: str, by: str, cause: str) -> None:
+        super().__init__(
+            f"worker {worker!r} was declared dead by worker {by!r} ({cause}) and expelled from "
+            "the group: its calls fail; shut it down and start a new job (or re-initialise)"
+        )
+        self.worker = worker
+        self.by = by
+        self.cause = cause
+
+
 class AuthenticationFailed(TransportError):
     """Peers failed the CURVE handshake while the mesh formed (a different secret, or a
     secret on one side only). ``peers`` names the workers concerned."""

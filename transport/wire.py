@@ -18,10 +18,25 @@ A message is one ZeroMQ multipart message on a ROUTER-to-ROUTER mesh::
     meta      msgpack value   kind-specific, never pickled
 
     transport kind  meaning
-    HELLO (1)       [incarnation, name]: first message on a new route; answered by HELLO_ACK
-    HELLO_ACK (2)   [incarnation, name]: the route back is up
-    PING (3)        probe sent to check that a route still exists; ignored by the receiver
+    HELLO (1)       [incarnation, name, max_message_size]: first message on a new data
+                    route; answered by HELLO_ACK. max_message_size is the largest payload
+                    the sender accepts: a sender checks every message against its
+                    receiver's limit and raises MessageTooLarge at the call site
+    HELLO_ACK (2)   [incarnation, name, max_message_size]: the route back is up
+    PING (3)        data socket: None, probes a route, ignored by the receiver.
+                    liveness socket: [incarnation, answer wanted], a route probe; sent
+                    while joining, after a disconnect and to suspects (NOTE [Liveness] in
+                    transport.heartbeat); answered with [incarnation, false] when wanted
     RESPONSE (4)    answer to the request msg_id; meta and frames belong to the runtime
+    DEAD_NOTICE (5) liveness socket: [peer id, peer incarnation, cause]: the sender
+                    declared that peer dead; the receiver declares it dead too, naming the
+                    sender (NOTE [Membership] in transport.heartbeat). About the receiver
+                    itself: read as FENCED
+    FENCED (6)      liveness socket: [cause]: the sender declared the receiver dead; the
+                    receiver fails every pending and later request with Fenced
+
+The data socket and the liveness socket are two ROUTER sockets with the same routing id;
+the liveness socket never carries kinds >= 16, RESPONSE or HELLO.
 
 Buffer frames are never interpreted by the transport. The runtime decides what they hold
 (for rrefrt: frame 2 is a pickle-5 payload and later frames are its out-of-band buffers).
@@ -37,7 +52,7 @@ from typing import Any
 import msgpack
 
 WIRE_VERSION = 1
-HELLO, HELLO_ACK, PING, RESPONSE = 1, 2, 3, 4
+HELLO, HELLO_ACK, PING, RESPONSE, DEAD_NOTICE, FENCED = 1, 2, 3, 4, 5, 6
 FIRST_APP_KIND = 16
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096

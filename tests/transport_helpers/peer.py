@@ -4,12 +4,13 @@
 
 Protocol with the test process, one JSON object per line:
 
-- stdout: {"event": "hello", "id", "name", "endpoint", "incarnation", "pid"} once bound;
+- stdout: {"event": "hello", "id", "name", "address", "incarnation", "pid"} once bound;
   {"event": "ready"} once ``connect_peers`` returned; {"event": "peer_dead", "peer", "cause"}
   whenever the agent declares a peer dead; {"event": "stats", ...} in answer to a command;
   {"event": "error", "error"} if joining the mesh failed.
 - stdin: first line is the peer table (a list of PeerSpec fields), later lines are commands
-  ({"cmd": "stats"}). End of stdin (the test process went away) closes the agent and exits.
+  ({"cmd": "stats"}; {"cmd": "request", "dest", "kind", "meta", "size", "timeout"} answered by
+  {"event": "done", "meta", "error", "message", "elapsed"}). End of stdin (the test process went away) closes the agent and exits.
 
 Only ``transport`` is imported: the transport is tested on its own.
 """
@@ -23,7 +24,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from transport import Agent, AgentOptions, PeerSpec
+from transport import PeerAddress, PeerSpec, Transport, TransportConfig, create
 
 ECHO = 16  #: respond with the request's meta and frames
 IGNORE = 17  #: never respond (a peer that does not answer)
@@ -36,7 +37,7 @@ class EchoBehaviour:
     """on_message for an agent: the kinds above. Runs on the agent's I/O thread."""
 
     def __init__(self, seed: int = 0) -> None:
-        self.agent: Agent | None = None
+        self.agent: Transport | None = None
         self.received = 0
         self.sources: list[int] = []
         self._held: list[tuple[int, int, Any, Sequence[Any]]] = []
@@ -63,6 +64,14 @@ class EchoBehaviour:
         # IGNORE and anything else: no answer
 
 
+def spec_to_json(spec: PeerSpec) -> dict:
+    return {"id": spec.id, "name": spec.name, "incarnation": spec.incarnation, "address": spec.address.to_wire()}
+
+
+def spec_from_json(d: dict) -> PeerSpec:
+    return PeerSpec(d["id"], d["name"], d["incarnation"], PeerAddress.from_wire(d["address"]))
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     lock = threading.Lock()
@@ -77,17 +86,18 @@ def main() -> None:
 
     behaviour = EchoBehaviour(seed=cfg["id"])
     incarnation = random.SystemRandom().getrandbits(62)
-    agent = Agent(cfg["id"], cfg["name"], incarnation, behaviour, on_peer_dead, AgentOptions(**cfg.get("options", {})))
+    config = TransportConfig(cfg["id"], cfg["name"], incarnation, **cfg.get("options", {}))
+    agent = create(config, behaviour, on_peer_dead)
     behaviour.agent = agent
-    endpoint = agent.bind(cfg.get("bind", "tcp://127.0.0.1:0"))
+    address = agent.listen()
     agent.start()
-    emit({"event": "hello", "id": cfg["id"], "name": cfg["name"], "endpoint": endpoint,
+    emit({"event": "hello", "id": cfg["id"], "name": cfg["name"], "address": address.to_wire(),
           "incarnation": incarnation, "pid": __import__("os").getpid()})
     try:
         line = sys.stdin.readline()
         if not line:
             return
-        peers = [PeerSpec(**p) for p in json.loads(line)]
+        peers = [spec_from_json(p) for p in json.loads(line)]
         try:
             agent.connect_peers(peers, timeout=cfg.get("connect_timeout", 10.0))
         except Exception as e:  # reported, then wait for the test to end us
@@ -98,6 +108,18 @@ def main() -> None:
             cmd = json.loads(line)
             if cmd.get("cmd") == "stats":
                 emit({"event": "stats", "received": behaviour.received, "stats": dict(agent.stats)})
+            elif cmd.get("cmd") == "request":  # one request; its outcome is reported
+                t0 = time.monotonic()
+
+                def done(meta: Any, frames: Sequence[Any], error: BaseException | None, t0: float = t0) -> None:
+                    emit({"event": "done", "meta": meta, "error": type(error).__name__ if error else None,
+                          "message": str(error) if error else "", "elapsed": time.monotonic() - t0})
+
+                try:
+                    agent.request(cmd["dest"], cmd.get("kind", ECHO), cmd.get("meta"),
+                                  [bytes(cmd.get("size", 0))], cmd.get("timeout", 10.0), done)
+                except Exception as e:
+                    emit({"event": "done", "meta": None, "error": type(e).__name__, "message": str(e), "elapsed": 0.0})
     finally:
         agent.close()
 

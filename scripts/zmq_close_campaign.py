@@ -1,0 +1,171 @@
+"""Close campaign (issue 11 item 2): rounds of a W-process transport mesh that joins, floods
+itself with small requests, and then closes in a staggered wave while traffic is still in
+flight; counts processes that died of SIGABRT (libzmq's ``Assertion failed: !_io_error``),
+other failures and hangs.
+
+    PYTHONPATH=. python scripts/zmq_close_campaign.py --rounds 5 --workers 32 [--workers 64]
+    # the same against another checkout (the old agent API is detected):
+    python scripts/zmq_close_campaign.py --root /work/main --rounds 5 --workers 32
+
+Each worker is this script in ``--worker`` mode (only ``transport`` imported). CPU heavy:
+every round starts W Python processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+#: short heartbeats so that libzmq heartbeat timers (old agent) fire often during the close
+HB = {"heartbeat_interval": 0.1, "heartbeat_timeout": 5.0}
+ECHO = 16
+
+
+# ---------------------------------------------------------------------------- worker side
+def worker(cfg: dict) -> None:
+    import transport
+
+    rng = random.Random(cfg["id"])
+    holder: dict[str, Any] = {}
+
+    def on_message(src: int, kind: int, msg_id: int, meta: Any, frames: Any) -> None:
+        if msg_id:
+            try:
+                holder["t"].respond(src, msg_id, meta, list(frames))
+            except Exception:  # closing
+                pass
+
+    inc = random.SystemRandom().getrandbits(62)
+    new_api = hasattr(transport, "create")
+    if new_api:
+        t = transport.create(transport.TransportConfig(cfg["id"], cfg["name"], inc, **HB), on_message, lambda *a: None)
+        address: Any = t.listen().to_wire()
+    else:
+        t = transport.Agent(cfg["id"], cfg["name"], inc, on_message, lambda *a: None, transport.AgentOptions(**HB))
+        address = t.bind("tcp://127.0.0.1:0")
+    holder["t"] = t
+    t.start()
+    print(json.dumps({"event": "hello", "id": cfg["id"], "name": cfg["name"], "incarnation": inc, "address": address}), flush=True)
+    table = json.loads(sys.stdin.readline())
+    if new_api:
+        specs = [transport.PeerSpec(p["id"], p["name"], p["incarnation"], transport.PeerAddress.from_wire(p["address"])) for p in table]
+    else:
+        specs = [transport.PeerSpec(p["id"], p["name"], p["incarnation"], p["address"]) for p in table]
+    t.connect_peers(specs, 60.0)
+    print(json.dumps({"event": "ready"}), flush=True)
+    stop = threading.Event()
+    others = [p["id"] for p in table if p["id"] != cfg["id"]]
+
+    def flood() -> None:
+        payload = bytes(4096)
+        while not stop.is_set():
+            try:
+                t.request(rng.choice(others), ECHO, None, [payload], 2.0, lambda *a: None)
+            except Exception:
+                return
+            stop.wait(0.002)
+
+    threading.Thread(target=flood, daemon=True).start()
+    line = sys.stdin.readline()  # {"close_after": s} or EOF
+    delay = json.loads(line)["close_after"] if line.strip() else 0.0
+    stop.wait(delay)
+    t.close()
+    stop.set()
+
+
+# ---------------------------------------------------------------------------- campaign side
+def _read_event(p: subprocess.Popen, event: str, deadline: float) -> dict:
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {p.pid} exited before {event!r}: {p.stderr.read()[-500:]}")
+        msg = json.loads(line)
+        if msg.get("event") == event:
+            return msg
+    raise RuntimeError(f"worker {p.pid}: no {event!r} in time")
+
+
+def one_round(workers: int, root: Path = ROOT, flood_s: float = 1.0, stagger_s: float = 0.5,
+              timeout: float = 180.0) -> dict[str, int]:
+    """Run one mesh of ``workers`` processes; return counts of exit outcomes."""
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1")
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + timeout
+    rng = random.Random()
+    try:
+        for i in range(workers):
+            cfg = {"id": i, "name": f"w{i}"}
+            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(cfg)], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                          start_new_session=True))
+        hellos = [_read_event(p, "hello", deadline) for p in procs]
+        table = json.dumps([{k: h[k] for k in ("id", "name", "incarnation", "address")} for h in hellos])
+        for p in procs:
+            p.stdin.write(table + "\n")
+            p.stdin.flush()
+        for p in procs:
+            _read_event(p, "ready", deadline)
+        time.sleep(flood_s)  # let traffic flow everywhere (campaign pacing, not a synchronisation)
+        for p in procs:  # a staggered close wave while requests are in flight
+            p.stdin.write(json.dumps({"close_after": rng.uniform(0, stagger_s)}) + "\n")
+            p.stdin.flush()
+        out = {"ok": 0, "abort": 0, "failed": 0, "hung": 0}
+        for p in procs:
+            try:
+                rc = p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                out["hung"] += 1
+                continue
+            err = p.stderr.read()
+            if rc == -signal.SIGABRT or "Assertion failed" in err:
+                out["abort"] += 1
+                print(f"  worker {p.pid}: rc {rc}: {err.strip()[-300:]}", file=sys.stderr)
+            elif rc == 0:
+                out["ok"] += 1
+            else:
+                out["failed"] += 1
+                print(f"  worker {p.pid}: rc {rc}: {err.strip()[-300:]}", file=sys.stderr)
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(5)
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(json.loads(sys.argv[2]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workers", type=int, action="append", help="mesh size (repeatable; default 32 and 64)")
+    ap.add_argument("--root", type=Path, default=ROOT, help="checkout whose transport is tested")
+    args = ap.parse_args()
+    total: dict[str, int] = {}
+    for w in args.workers or [32, 64]:
+        for r in range(args.rounds):
+            t0 = time.monotonic()
+            res = one_round(w, args.root)
+            print(f"{w} workers, round {r + 1}/{args.rounds}: {res} in {time.monotonic() - t0:.1f}s", flush=True)
+            for k, v in res.items():
+                total[k] = total.get(k, 0) + v
+    print(f"total: {total}")
+    return 0 if total.get("abort", 0) == total.get("failed", 0) == total.get("hung", 0) == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
