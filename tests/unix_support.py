@@ -67,7 +67,9 @@ class Group:
         self.messages: queue.Queue = queue.Queue()
         self.dead: queue.Queue = queue.Queue()
 
-    def start(self, n: int = 1, secret: str | None = None, child_secret: Any = "same", **kw: Any) -> list[dict]:
+    def start(
+        self, n: int = 1, secret: str | None = None, child_secret: Any = "same", child_extra: dict | None = None, **kw: Any
+    ) -> list[dict]:
         """Start n children and join; return each child's join event (ready or error)."""
         inc = random.getrandbits(62)
         extra = {k: kw.pop(k) for k in ("shm_threshold", "shm_copy_out") if k in kw}
@@ -79,7 +81,7 @@ class Group:
         csecret = secret if child_secret == "same" else child_secret
         for i in range(1, n + 1):
             ccfg = {"id": i, "name": f"w{i}", "secret": csecret, "hb_interval": kw.get("heartbeat_interval", 1.0),
-                    "hb_timeout": kw.get("heartbeat_timeout", 3.0), **extra}
+                    "hb_timeout": kw.get("heartbeat_timeout", 3.0), **extra, **(child_extra or {})}
             self.children.append(Child(ccfg))
         table = [{"id": 0, "name": "w0", "incarnation": inc, "address": addr.to_wire()}] + [
             {"id": c.cfg["id"], "name": c.cfg["name"], "incarnation": c.hello["incarnation"], "address": c.hello["address"]}

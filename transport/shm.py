@@ -92,7 +92,11 @@ class SegmentPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("segment pool closed")
-            free = self._idle.get(size)
+            free = None
+            for cls in (size, size * 2, size * 4):  # a larger idle segment serves too
+                free = self._idle.get(cls)
+                if free:
+                    break
             if free:
                 seg = free.pop()
                 self._idle_bytes -= seg.size

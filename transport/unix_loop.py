@@ -250,7 +250,7 @@ class Loop:
         for peer in list(self._peers.values()):
             if peer.state != "up":
                 continue
-            if now - peer.last_rx > cfg.heartbeat_timeout:
+            if now - peer.last_rx > cfg.heartbeat_timeout and not self._bytes_waiting(peer):
                 self._declare_dead(
                     peer, f"no byte arrived from it for over {cfg.heartbeat_timeout:.1f}s (stopped or hung)"
                 )
@@ -262,6 +262,18 @@ class Loop:
             self._admission(what, sock)
         interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 3)
         self._push_timer(now + interval, self._heartbeat)
+
+    def _bytes_waiting(self: Any, peer: Any) -> bool:
+        """Bytes this thread has not read yet (it was busy in a callback) are life too."""
+        try:
+            waiting = bool(peer.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True  # the read path will see the error and say why
+        if waiting:
+            peer.last_rx = time.monotonic()
+        return True  # data, or EOF that the read path reports with its cause
 
     def _declare_dead(self: Any, peer: Any, cause: str) -> None:
         """Receiver thread: fence ``peer``, fail its requests, reclaim its segments."""

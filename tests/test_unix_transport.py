@@ -1,0 +1,190 @@
+"""The same-host transport (transport/unix.py) with real processes over real AF_UNIX sockets.
+
+This process is worker 0; tests/transport_helpers/unix_peer.py children are the others
+(killed by pid at the end of every test)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.support import poll_for
+from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
+from tests.unix_support import group
+from transport.errors import AgentClosed, AuthenticationFailed, PeerUnavailable, RequestTimeout
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_round_trip_keeps_meta_and_frame_order() -> None:
+    with group(1) as g:
+        assert g.joined == [{"event": "ready"}] and g.join_error is None
+        meta, frames, err = g.call(1, ECHO, {"k": [1, "x"]}, [b"a", b"", b"ccc"])
+        assert err is None and meta == {"k": [1, "x"]}
+        assert [bytes(f) for f in frames] == [b"a", b"", b"ccc"]
+        assert g.t.is_local(1) and g.t.is_alive(1) and g.t.dead_peers() == set()
+
+
+def test_request_to_self_and_timeout() -> None:
+    with group(1) as g:
+        got: queue.Queue = queue.Queue()
+        g.t.request(1, IGNORE, None, [], 0.3, lambda m, f, e: got.put(e))
+        assert isinstance(got.get(timeout=5), RequestTimeout)
+        g.t.send(0, 16, {"self": True}, [b"x"])
+        src, kind, _, meta, frames = g.messages.get(timeout=5)
+        assert (src, kind, meta, bytes(frames[0])) == (0, 16, {"self": True}, b"x")
+
+
+def test_many_in_flight_from_many_threads() -> None:
+    with group(2) as g:
+        results: queue.Queue = queue.Queue()
+        n_threads, per = 4, 150
+
+        def worker(t: int) -> None:
+            for i in range(per):
+                dest = 1 + (i % 2)
+                payload = f"{t}-{i}".encode()
+                g.t.request(dest, ECHO, [t, i], [payload], 20.0, lambda m, f, e, p=payload: results.put((m, bytes(f[0]) if f else None, e, p)))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        got = [results.get(timeout=20) for _ in range(n_threads * per)]
+        assert all(e is None and f == p for _, f, e, p in got)
+        assert sorted(tuple(m) for m, _, _, _ in got) == sorted((t, i) for t in range(n_threads) for i in range(per))
+
+
+@pytest.mark.parametrize("copy_out", [False, True])
+def test_large_frames_travel_through_shared_memory(copy_out: bool) -> None:
+    with group(1, shm_threshold=256 << 10, shm_copy_out=copy_out) as g:
+        big, mid = pattern(16 << 20), pattern(300 << 10)
+        meta, frames, err = g.call(1, ECHO, "m", [b"small", big, b"tail", mid])
+        assert err is None and meta == "m"
+        assert [bytes(f) for f in frames] == [b"small", big, b"tail", mid]  # original order
+        assert g.t.stats["shm_frames_sent"] == 2 and g.t.stats["shm_frames_received"] == 2
+        del frames
+        poll_for(lambda: g.t.shm_segments()[1] == 0, 5, "the segment returns to the sender's pool")
+        g.call(1, ECHO, None, [big])
+        assert g.t.shm_segments()[0] == 1, "the pooled segment is reused"
+
+
+def test_sigkill_fails_pending_within_a_second() -> None:
+    with group(1) as g:
+        errors: queue.Queue = queue.Queue()
+        for _ in range(20):
+            g.t.request(1, IGNORE, None, [b"x"], 60.0, lambda m, f, e: errors.put((time.monotonic(), e)))
+        time.sleep(0.1)  # let them reach the peer (not a synchronisation: it only makes them pending)
+        t0 = time.monotonic()
+        g.children[0].kill()
+        got = [errors.get(timeout=5) for _ in range(20)]
+        assert all(isinstance(e, PeerUnavailable) and "w1" in str(e) for _, e in got)
+        assert max(t for t, _ in got) - t0 < 1.0
+        assert g.dead.get(timeout=1)[0] == 1 and not g.t.is_alive(1)
+        g.t.request(1, ECHO, None, [], 5.0, lambda m, f, e: errors.put((0, e)))
+        assert isinstance(errors.get(timeout=5)[1], PeerUnavailable), "a dead peer stays fenced"
+
+
+def test_sigstop_past_heartbeat_timeout_is_declared_dead() -> None:
+    with group(1, heartbeat_interval=0.2, heartbeat_timeout=0.8) as g:
+        errors: queue.Queue = queue.Queue()
+        g.t.request(1, IGNORE, None, [], 60.0, lambda m, f, e: errors.put(e))
+        t0 = time.monotonic()
+        g.children[0].kill(signal.SIGSTOP)
+        try:
+            err = errors.get(timeout=5)
+            assert isinstance(err, PeerUnavailable) and "stopped or hung" in str(err)
+            assert time.monotonic() - t0 < 0.8 + 0.6
+        finally:
+            g.children[0].kill(signal.SIGCONT)
+        time.sleep(0.5)  # resumed peer's bytes must not revive it
+        assert not g.t.is_alive(1)
+
+
+def test_long_transfer_is_not_taken_for_silence() -> None:
+    """A response that takes ~3x the heartbeat timeout to arrive (a slow link, inline:
+    shared memory off) keeps its sender alive, byte by byte."""
+    with group(1, heartbeat_interval=0.1, heartbeat_timeout=0.4, shm_threshold=0, child_extra={"slow_send": True}) as g:
+        assert g.joined == [{"event": "ready"}]
+        t0 = time.monotonic()
+        meta, frames, err = g.call(1, BIG, {"n": 6 << 20}, [], timeout=30)
+        took = time.monotonic() - t0
+        assert err is None and bytes(frames[0]) == pattern(6 << 20)
+        assert took > 3 * 0.4, f"the transfer was not slow enough to test anything ({took:.2f}s)"
+        assert g.t.is_alive(1) and g.dead.empty()
+
+
+@pytest.mark.parametrize("ours,theirs", [("s3cret", "other"), ("s3cret", None), (None, "s3cret")])
+def test_wrong_secret_is_refused(ours: str | None, theirs: str | None) -> None:
+    with group(1, secret=ours, child_secret=theirs) as g:
+        assert isinstance(g.join_error, AuthenticationFailed), g.join_error
+        assert g.join_error.peers == ["w1"]
+        assert g.joined[0]["event"] == "error"
+        assert g.messages.empty()
+
+
+def test_same_secret_is_admitted() -> None:
+    with group(1, secret="s3cret") as g:
+        assert g.join_error is None
+        assert g.call(1, ECHO, 1, [])[0] == 1
+
+
+def test_stranger_is_refused_before_anything_is_decoded() -> None:
+    with group(1) as g:
+        path = g.t._listener.getsockname()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(b"RRU1" + b"\x00" * 44 + b"\x93\x01\x10\x00" * 100)
+        try:
+            assert s.recv(100) == b"", "the stranger is cut off"
+        except ConnectionResetError:
+            pass  # cut off with unread bytes in its queue: a reset
+        s.close()
+        assert g.messages.empty() and g.t.stats["unix_refused"] >= 1
+        assert g.call(1, ECHO, 2, [])[0] == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_other_uid_cannot_even_connect() -> None:
+    """The socket lives in a 0700 directory: another uid gets EACCES at connect (its
+    SO_PEERCRED check is the second line and cannot be reached from here)."""
+    with group(1) as g:
+        path = g.t._listener.getsockname()
+        code = f"import socket; s=socket.socket(socket.AF_UNIX); s.connect({path!r})"
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+        res = subprocess.run([python, "-c", code], user=65534, capture_output=True, text=True, timeout=20)
+        assert res.returncode != 0 and "PermissionError" in res.stderr
+        assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+
+
+def test_close_never_hangs_with_a_stopped_peer_and_a_blocked_sender() -> None:
+    with group(1, shm_threshold=0, heartbeat_timeout=30.0) as g:
+        g.children[0].kill(signal.SIGSTOP)
+        outcome: queue.Queue = queue.Queue()
+
+        def blocked() -> None:
+            try:
+                g.t.request(1, ECHO, None, [pattern(64 << 20)], 60.0, lambda m, f, e: outcome.put(e))
+            except AgentClosed as e:
+                outcome.put(e)
+
+        th = threading.Thread(target=blocked, daemon=True)
+        th.start()
+        time.sleep(0.3)  # the sender fills the socket and blocks
+        t0 = time.monotonic()
+        g.t.close(2.0)
+        assert time.monotonic() - t0 < 3.0
+        th.join(3)
+        assert not th.is_alive()
+        assert isinstance(outcome.get(timeout=3), AgentClosed)
+        g.children[0].kill(signal.SIGCONT)
