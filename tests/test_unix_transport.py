@@ -188,3 +188,25 @@ def test_close_never_hangs_with_a_stopped_peer_and_a_blocked_sender() -> None:
         assert not th.is_alive()
         assert isinstance(outcome.get(timeout=3), AgentClosed)
         g.children[0].kill(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("same_host", ["1", "0"])
+def test_auto_uses_the_unix_path_on_one_host_unless_turned_off(same_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RREFRT_SAME_HOST", same_host)
+    env = {"RREFRT_SAME_HOST": same_host}
+    with group(1, kind="auto", auto_inner="zmq-test", shm_threshold=256 << 10, child_env=env) as g:
+        assert g.join_error is None and g.joined == [{"event": "ready"}]
+        big = pattern(2 << 20)
+        meta, frames, err = g.call(1, ECHO, "m", [b"x", big])
+        assert err is None and meta == "m" and bytes(frames[1]) == big
+        assert g.t.uses_same_host_path(1) is (same_host == "1")
+        assert (g.t.stats["shm_frames_sent"] == 1) is (same_host == "1")
+        errors: queue.Queue = queue.Queue()
+        g.t.request(1, IGNORE, None, [], 60.0, lambda m, f, e: errors.put(e))
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        g.children[0].kill()
+        assert isinstance(errors.get(timeout=10), PeerUnavailable)
+        if same_host == "1":
+            assert time.monotonic() - t0 < 1.0, "the unix transport sees the death by EOF"
+        assert g.dead.get(timeout=10)[0] == 1 and not g.t.is_alive(1)

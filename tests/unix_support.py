@@ -16,17 +16,18 @@ import threading
 from typing import Any, Iterator
 
 from tests.support import ROOT, env_for
-from transport.base import PeerAddress, PeerSpec, TransportConfig
-from transport.unix import UnixTransport
+from tests.transport_helpers import zmq_adapter  # noqa: F401 - registers "zmq-test"
+from transport import auto  # noqa: F401 - registers "auto"
+from transport.base import PeerAddress, PeerSpec, TransportConfig, create
 
 HELPER = ROOT / "tests" / "transport_helpers" / "unix_peer.py"
 
 
 class Child:
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.cfg = cfg
         self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER), json.dumps(cfg)], env=env_for(), stdin=subprocess.PIPE,
+            [sys.executable, str(HELPER), json.dumps(cfg)], env=env_for(env), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
         )
         self.events: queue.Queue = queue.Queue()
@@ -63,26 +64,28 @@ class Group:
 
     def __init__(self) -> None:
         self.children: list[Child] = []
-        self.t: UnixTransport | None = None
+        self.t: Any = None
         self.messages: queue.Queue = queue.Queue()
         self.dead: queue.Queue = queue.Queue()
 
     def start(
-        self, n: int = 1, secret: str | None = None, child_secret: Any = "same", child_extra: dict | None = None, **kw: Any
+        self, n: int = 1, secret: str | None = None, child_secret: Any = "same", child_extra: dict | None = None,
+        child_env: dict[str, str] | None = None, **kw: Any,
     ) -> list[dict]:
         """Start n children and join; return each child's join event (ready or error)."""
         inc = random.getrandbits(62)
-        extra = {k: kw.pop(k) for k in ("shm_threshold", "shm_copy_out") if k in kw}
-        cfg = TransportConfig(worker_id=0, name="w0", incarnation=inc, kind="unix",
+        extra = {k: kw.pop(k) for k in ("shm_threshold", "shm_copy_out", "auto_inner") if k in kw}
+        kind = kw.pop("kind", "unix")
+        cfg = TransportConfig(worker_id=0, name="w0", incarnation=inc, kind=kind,
                               secret=secret.encode() if secret else None, extra=extra, **kw)
-        self.t = UnixTransport(cfg, lambda *a: self.messages.put(a), lambda p, c: self.dead.put((p, c)))
+        self.t = create(cfg, lambda *a: self.messages.put(a), lambda p, c: self.dead.put((p, c)))
         addr = self.t.listen()
         self.t.start()
         csecret = secret if child_secret == "same" else child_secret
         for i in range(1, n + 1):
-            ccfg = {"id": i, "name": f"w{i}", "secret": csecret, "hb_interval": kw.get("heartbeat_interval", 1.0),
+            ccfg = {"id": i, "name": f"w{i}", "secret": csecret, "kind": kind, "hb_interval": kw.get("heartbeat_interval", 1.0),
                     "hb_timeout": kw.get("heartbeat_timeout", 3.0), **extra, **(child_extra or {})}
-            self.children.append(Child(ccfg))
+            self.children.append(Child(ccfg, child_env))
         table = [{"id": 0, "name": "w0", "incarnation": inc, "address": addr.to_wire()}] + [
             {"id": c.cfg["id"], "name": c.cfg["name"], "incarnation": c.hello["incarnation"], "address": c.hello["address"]}
             for c in self.children

@@ -25,7 +25,9 @@ import time
 from typing import Any, Sequence
 
 from transport import shm
-from transport.base import PeerAddress, PeerSpec, TransportConfig
+from tests.transport_helpers import zmq_adapter  # noqa: F401 - registers "zmq-test"
+from transport import auto  # noqa: F401 - registers "auto"
+from transport.base import PeerAddress, PeerSpec, TransportConfig, create
 from transport.unix import UnixTransport
 
 ECHO, IGNORE, BIG, HOLD = 16, 17, 18, 19
@@ -58,7 +60,7 @@ def main() -> None:
             sys.stdout.flush()
 
     held: list[Sequence[Any]] = []
-    t: UnixTransport | None = None
+    t: Any = None
 
     def on_message(src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
         assert t is not None
@@ -76,12 +78,12 @@ def main() -> None:
     inc = random.SystemRandom().getrandbits(62)
     secret = cfg.get("secret")
     tc = TransportConfig(
-        worker_id=cfg["id"], name=cfg["name"], incarnation=inc, kind="unix",
+        worker_id=cfg["id"], name=cfg["name"], incarnation=inc, kind=cfg.get("kind", "unix"),
         secret=secret.encode() if secret else None,
         heartbeat_interval=cfg.get("hb_interval", 1.0), heartbeat_timeout=cfg.get("hb_timeout", 3.0),
-        extra={k: cfg[k] for k in ("shm_threshold", "shm_copy_out") if k in cfg},
+        extra={k: cfg[k] for k in ("shm_threshold", "shm_copy_out", "auto_inner") if k in cfg},
     )
-    t = UnixTransport(tc, on_message, on_peer_dead)
+    t = create(tc, on_message, on_peer_dead)
     addr = t.listen()
     t.start()
     emit({"event": "hello", "address": addr.to_wire(), "incarnation": inc, "pid": __import__("os").getpid()})
@@ -93,7 +95,7 @@ def main() -> None:
         emit({"event": "error", "error": str(e), "type": type(e).__name__})
         t.close()
         return
-    if cfg.get("slow_send"):
+    if cfg.get("slow_send") and isinstance(t, UnixTransport):
         for peer in t._peers.values():
             peer.sock = _SlowSock(peer.sock)
     emit({"event": "ready"})
@@ -101,7 +103,7 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd.get("cmd") == "stats":
             emit({"event": "stats", "stats": dict(t.stats), "memfds": shm.count_memfds(), "held": len(held),
-                  "segments": t.shm_segments()})
+                  "segments": t.shm_segments() if isinstance(t, UnixTransport) else None})
         elif cmd.get("cmd") == "drop_held":
             held.clear()
             emit({"event": "dropped"})
