@@ -51,7 +51,8 @@ def test_received_frames_alias_the_segment_and_release_when_dropped() -> None:
         seg = pool.acquire(shm.layout(sizes)[1], peer=1)
         offsets, _ = shm.layout(sizes)
         seg.map[offsets[1] : offsets[1] + 3] = b"abc"
-        frames = shm.map_frames(seg.fd, sizes, released.set)
+        mapping = shm.map_segment(seg.fd)
+        frames = shm.frames_of(mapping, sizes, released.set)
         assert [len(f) for f in frames] == sizes and bytes(frames[1][:3]) == b"abc"
         seg.map[offsets[1] : offsets[1] + 3] = b"xyz"
         assert bytes(frames[1][:3]) == b"xyz", "the frame aliases the segment: no copy"
@@ -62,8 +63,9 @@ def test_received_frames_alias_the_segment_and_release_when_dropped() -> None:
         del view
         assert released.wait(2)
         copied = threading.Event()
-        out = shm.map_frames(seg.fd, sizes, copied.set, copy_out=True)
+        out = shm.frames_of(mapping, sizes, copied.set, copy_out=True)
         assert copied.is_set() and isinstance(out[1], bytes) and out[1][:3] == b"xyz"
+        shm.unmap(mapping)
     finally:
         pool.close()
 

@@ -11,12 +11,14 @@ NOTE [Segments]:
    never outlive the processes of the job, whatever kills them. Its fd travels to a peer
    once (SCM_RIGHTS, on the first message that uses it); later messages name it by id.
 2. The sender copies a message's large frames into one segment (each frame at a
-   page-aligned offset): that is the only copy end to end. The receiver maps the used
-   part of the segment (``MAP_POPULATE``: page tables filled in one go, no fault per
-   page) and its frames are memoryviews of that mapping. The mapping is one object per
-   message; when the last view of it is gone (the runtime dropped the frames or the
-   tensors built on them) ``weakref.finalize`` fires and the receiver tells the sender
-   (``SHM_RELEASE``), which puts the segment back in its pool. A receiver that is told to
+   page-aligned offset): that is the only copy end to end. The receiver maps a segment
+   once, whole, when its fd arrives (``MAP_POPULATE``: page tables filled in one go, no
+   fault per page later), and a message's frames are memoryviews of that mapping through
+   one small exporter object per message (a ctypes array over the used bytes: a plain
+   memoryview cannot say when its last derived view died). When that exporter is freed
+   (the runtime dropped the frames and whatever it built on them) ``weakref.finalize``
+   fires and the receiver tells the sender (``SHM_RELEASE``), which puts the segment back
+   in its pool. A receiver that is told to
    copy out (``copy_out``) copies the frames and releases at once.
 3. A segment lent to a peer comes back on release or when that peer dies (its mappings
    died with it). The pool keeps at most ``max_idle_bytes`` of idle segments; a segment
@@ -27,6 +29,7 @@ NOTE [Segments]:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -182,27 +185,42 @@ class SegmentPool:
             self._destroy(seg)
 
 
-def map_frames(
-    fd: int, sizes: Sequence[int], on_release: Callable[[], None], copy_out: bool = False
-) -> list[memoryview | bytes]:
-    """The receiver side: frames of ``sizes`` laid out by ``layout`` in the segment ``fd``.
+def map_segment(fd: int) -> mmap.mmap:
+    """The receiver side: map a segment a peer sent, whole and once (page tables filled now,
+    ``MAP_POPULATE``); ``fd`` may be closed afterwards (the mapping keeps its own)."""
+    size = os.fstat(fd).st_size
+    return mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
 
-    Frames alias one fresh mapping; ``on_release`` runs (on whichever thread drops the
-    last view, so it must only hand work on) once none of them is referenced any more.
-    With ``copy_out`` the frames are copied out and ``on_release`` runs before returning."""
+
+def frames_of(
+    mapping: mmap.mmap, sizes: Sequence[int], on_release: Callable[[], None], copy_out: bool = False
+) -> list[memoryview | bytes]:
+    """Frames of ``sizes`` laid out by ``layout`` in a mapped segment.
+
+    The frames alias the mapping through one small per-message exporter (a ctypes array
+    over the used bytes); ``on_release`` runs - on whichever thread drops the last view,
+    so it must only hand work on - once neither the frames nor anything built on them (a
+    memoryview, a numpy array, a tensor) is referenced any more. With ``copy_out`` the
+    frames are copied out and ``on_release`` runs before returning."""
     offsets, used = layout(sizes)
-    m = mmap.mmap(fd, used, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
     if copy_out:
         try:
-            return [m[o : o + n] for o, n in zip(offsets, sizes)]
+            return [mapping[o : o + n] for o, n in zip(offsets, sizes)]
         finally:
-            m.close()
             on_release()
-    weakref.finalize(m, on_release)
-    whole = memoryview(m)
+    holder = (ctypes.c_char * used).from_buffer(mapping)
+    weakref.finalize(holder, on_release)
+    whole = memoryview(holder).cast("B")
     frames: list[memoryview | bytes] = [whole[o : o + n] for o, n in zip(offsets, sizes)]
-    whole.release()
     return frames
+
+
+def unmap(mapping: mmap.mmap) -> None:
+    """Drop a received segment's mapping now, or when the last frame aliasing it goes."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
 
 
 def count_memfds(pid: int | None = None) -> int:

@@ -86,7 +86,7 @@ class _Peer:
     want_write: bool = False
     last_rx: float = 0.0
     rx_fds: collections.deque = field(default_factory=collections.deque)  #: fds received, not yet claimed
-    segs: dict[int, int] = field(default_factory=dict)  #: segment id -> fd (segments this peer lent us)
+    segs: dict[int, Any] = field(default_factory=dict)  #: segment id -> our mapping of a segment it sent
     bye: bool = False
 
 

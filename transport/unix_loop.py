@@ -163,15 +163,19 @@ class Loop:
                 if m.fd_attached:
                     old = peer.segs.pop(m.seg_id, None)
                     if old is not None:
-                        os.close(old)
-                    peer.segs[m.seg_id] = peer.rx_fds.popleft()
-                fd = peer.segs[m.seg_id]
-            except (IndexError, KeyError):
+                        shm.unmap(old)
+                    fd = peer.rx_fds.popleft()
+                    try:
+                        peer.segs[m.seg_id] = shm.map_segment(fd)
+                    finally:
+                        os.close(fd)
+                mapping = peer.segs[m.seg_id]
+            except (IndexError, KeyError, OSError, ValueError):
                 self._declare_dead(peer, f"it named shared-memory segment {m.seg_id} it never sent")
                 return
             pid, seg_id = peer.spec.id, m.seg_id
             release = lambda: self._released(pid, seg_id)  # noqa: E731
-            mapped = iter(shm.map_frames(fd, m.shm_sizes, release, self.shm_copy_out))
+            mapped = iter(shm.frames_of(mapping, m.shm_sizes, release, self.shm_copy_out))
             frames = [f if f is not None else next(mapped) for f in frames]
             self.stats["shm_frames_received"] += len(m.shm_sizes)
         try:
@@ -225,9 +229,9 @@ class Loop:
             self._forget(forget)
         elif kind == unix_wire.SHM_FORGET and type(meta) is list and peer is not None:
             for seg in meta:
-                fd = peer.segs.pop(seg, None) if type(seg) is int else None
-                if fd is not None:
-                    os.close(fd)
+                mapping = peer.segs.pop(seg, None) if type(seg) is int else None
+                if mapping is not None:
+                    shm.unmap(mapping)
         elif kind == unix_wire.BYE and peer is not None:
             peer.bye = True
         else:
@@ -299,8 +303,10 @@ class Loop:
                 peer.send_lock.release()
         peer.outq.clear()
         self._forget(self._pool.peer_gone(peer.spec.id))
-        for fd in list(peer.segs.values()) + list(peer.rx_fds):
-            os.close(fd)  # live mappings keep their own descriptor (mmap dups it)
+        for mapping in peer.segs.values():
+            shm.unmap(mapping)  # frames still referenced keep theirs until they go
+        for fd in peer.rx_fds:
+            os.close(fd)
         peer.segs.clear()
         peer.rx_fds.clear()
         err = PeerUnavailable(peer.spec.name, cause)
@@ -349,7 +355,9 @@ class Loop:
                 except OSError:
                     pass
                 peer.sock.close()
-            for fd in list(peer.segs.values()) + list(peer.rx_fds):
+            for mapping in peer.segs.values():
+                shm.unmap(mapping)
+            for fd in peer.rx_fds:
                 try:
                     os.close(fd)
                 except OSError:
