@@ -1,6 +1,7 @@
 """Transport-only ping-pong: the same-host unix transport against the ZeroMQ agent.
 
     python bench/transport_pingpong.py [--quick] [--rounds 3] [--transports unix,unix-copy,unix-inline,zmq]
+                                       [--sizes 1M,16M,64M] [--json PATH]
 
 For each round and each transport (interleaved), a fresh pair of processes is started, each
 pinned to its own core (os.sched_setaffinity). The server answers every request from the
@@ -38,7 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 ECHO, CPU = 16, 17
-SIZES = [1 << 20, 16 << 20, 64 << 20]
 
 
 def _cpu() -> float:
@@ -57,7 +57,8 @@ def make(kind: str, wid: int, inc: int, on_message: Any, on_dead: Any) -> tuple[
     from transport.base import TransportConfig
     from transport.unix import UnixTransport
 
-    extra = {"unix": {}, "unix-copy": {"shm_copy_out": True}, "unix-inline": {"shm_threshold": 0}}[kind]
+    extra = {"unix": {}, "unix-copy": {"shm_copy_out": True}, "unix-inline": {"shm_threshold": 0},
+             "unix-shm64k": {"shm_threshold": 65536}}[kind]
     return UnixTransport(TransportConfig(wid, f"w{wid}", inc, extra=extra), on_message, on_dead), None
 
 
@@ -96,11 +97,17 @@ def role(args: argparse.Namespace) -> None:
         sys.stdin.readline()  # until the client is done
         t.close(2.0)
         return
-    print(json.dumps(client(t, args.quick)), flush=True)
+    print(json.dumps(client(t, args.quick, [_size(x) for x in args.sizes.split(",")])), flush=True)
     t.close(2.0)
 
 
-def client(t: Any, quick: bool) -> dict[str, Any]:
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    return int(text.rstrip("KM")) * mult
+
+
+def client(t: Any, quick: bool, sizes: list[int]) -> dict[str, Any]:
     done = threading.Event()
     box: list[Any] = []
 
@@ -117,8 +124,12 @@ def client(t: Any, quick: bool) -> dict[str, Any]:
         return box[0]
 
     out: dict[str, Any] = {}
+    def count(n: int) -> int:
+        c = 60 if n <= 1 << 20 else 12 if n <= 16 << 20 else 5
+        return max(3, c // 3) if quick else c
+
     work = [("noop", 0, 300 if quick else 2000)] + [
-        (f"{n >> 20}MB", n, c) for n, c in zip(SIZES, (20, 6, 3) if quick else (60, 12, 5))
+        (f"{n >> 20}MB" if n >= 1 << 20 else f"{n >> 10}KB", n, count(n)) for n in sizes
     ]
     for name, size, count in work:
         frame = os.urandom(size) if size else b""
@@ -149,12 +160,13 @@ def client(t: Any, quick: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- driver
-def session(kind: str, quick: bool, timeout: float) -> dict[str, Any]:
+def session(kind: str, quick: bool, timeout: float, sizes: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = []
     try:
         for r, core in (("server", 1), ("client", 0)):
-            cmd = [sys.executable, __file__, "--role", r, "--kind", kind, "--core", str(core)] + (["--quick"] if quick else [])
+            cmd = [sys.executable, __file__, "--role", r, "--kind", kind, "--core", str(core), "--sizes", sizes] + (
+                ["--quick"] if quick else [])
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                           start_new_session=True))
         hellos = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
@@ -187,6 +199,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--transports", default="unix,unix-copy,unix-inline,zmq")
+    ap.add_argument("--sizes", default="1M,16M,64M", help="frame sizes, e.g. 64K,256K,1M")
     ap.add_argument("--json")
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args()
@@ -197,7 +210,7 @@ def main() -> None:
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = kinds if r % 2 == 0 else list(reversed(kinds))
-        rounds.append({k: session(k, args.quick, args.timeout) for k in order})
+        rounds.append({k: session(k, args.quick, args.timeout, args.sizes) for k in order})
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     metrics = list(rounds[0][kinds[0]])
     print(f"{'workload':8} {'transport':12} {'p50 [us]':>10} {'spread':>16} {'GB/s':>6} {'cli CPU/call':>13} {'srv CPU/call':>13}")

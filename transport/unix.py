@@ -311,7 +311,16 @@ class UnixTransport(Loop):
             self._pool.peer_gone(peer.spec.id)
 
     def _write(self, peer: _Peer, bufs: list, fds: Sequence[int], block: bool = True) -> bool:
-        """Queue one message to ``peer`` and write it (Rule 1). False if the peer is gone."""
+        """Queue one message to ``peer`` and write it (Rule 1). False if the peer is gone.
+
+        On the receiver thread (a callback answering at once) the write never blocks: what
+        the socket does not take now is snapshot and written on EVENT_WRITE, so two
+        processes answering each other from their receiver threads cannot wait on each
+        other's full sockets with nobody reading."""
+        if block and threading.get_ident() == self._thread.ident:
+            block = False
+        if not block:
+            bufs = [b if isinstance(b, bytes) else bytes(b) for b in bufs]
         with peer.q_lock:
             peer.queued += 1
             seq = peer.queued
