@@ -78,6 +78,16 @@ def test_large_frames_travel_through_shared_memory(copy_out: bool) -> None:
         assert g.t.shm_segments()[0] == 1, "the pooled segment is reused"
 
 
+def test_large_inline_answer_written_from_the_receiver_thread() -> None:
+    """The peer answers from its receiver thread with more than its socket takes at once:
+    the rest is written on EVENT_WRITE, a partly written message included."""
+    with group(1, shm_threshold=0) as g:
+        for size in (16 << 20, 3 << 20):
+            frame = pattern(size)
+            meta, frames, err = g.call(1, ECHO, size, [frame], timeout=30)
+            assert err is None and meta == size and bytes(frames[0]) == frame
+
+
 def test_sigkill_fails_pending_within_a_second() -> None:
     with group(1) as g:
         errors: queue.Queue = queue.Queue()

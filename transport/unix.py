@@ -338,19 +338,21 @@ class UnixTransport(Loop):
                     peer.send_lock.release()
                 if not ok:
                     return False
-        if peer.outq and not peer.want_write:
+        if (peer.outq or peer.cur is not None) and not peer.want_write:
             self._try_flush(peer)
         self.stats["messages_sent"] += 1
         return True
 
     def _try_flush(self, peer: _Peer) -> None:
-        while peer.outq and not peer.want_write and peer.state == "up":
+        while (peer.outq or peer.cur is not None) and not peer.want_write and peer.state == "up":
             if not peer.send_lock.acquire(blocking=False):
                 return  # its holder re-checks the queue after releasing
             try:
-                self._drain(peer, None)
+                ok = self._drain(peer, None)
             finally:
                 peer.send_lock.release()
+            if not ok:
+                return  # broken: the receiver thread declares the peer dead
 
     def _drain(self, peer: _Peer, until: int | None) -> bool:
         """Write queued messages (send lock held). ``until``: block until that seq is written;
