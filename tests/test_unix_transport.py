@@ -220,3 +220,20 @@ def test_auto_uses_the_unix_path_on_one_host_unless_turned_off(same_host: str, m
         if same_host == "1":
             assert time.monotonic() - t0 < 1.0, "the unix transport sees the death by EOF"
         assert g.dead.get(timeout=10)[0] == 1 and not g.t.is_alive(1)
+
+
+def test_fault_hook_drops_delays_and_duplicates_by_label() -> None:
+    """NOTE [Fault injection] semantics: [] drops (the request still fails at its deadline),
+    [d] delays, [0, 0] duplicates (the duplicate answer is a late response, dropped)."""
+    with group(1) as g:
+        g.t.fault_hook = lambda dest, label: {"drop": [], "slow": [0.4], "dup": [0, 0]}.get(label, [0])
+        got: queue.Queue = queue.Queue()
+        g.t.request(1, ECHO, "d", [b"x"], 0.5, lambda m, f, e: got.put(e), label="drop")
+        assert isinstance(got.get(timeout=5), RequestTimeout)
+        t0 = time.monotonic()
+        g.t.request(1, ECHO, "s", [b"x"], 5.0, lambda m, f, e: got.put((m, e)), label="slow")
+        assert got.get(timeout=5) == ("s", None) and time.monotonic() - t0 >= 0.4
+        g.t.request(1, ECHO, "2", [b"x"], 5.0, lambda m, f, e: got.put((m, e)), label="dup")
+        assert got.get(timeout=5) == ("2", None)
+        poll_for(lambda: g.t.stats["late_responses_dropped"] >= 1, 5, "the duplicate's answer arrives late")
+        assert got.empty()
