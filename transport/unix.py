@@ -41,9 +41,7 @@ import itertools
 import logging
 import os
 import selectors
-import shutil
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -52,7 +50,7 @@ from typing import Any, Callable, Sequence
 
 from . import shm, unix_wire, wire
 from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
-from .errors import AgentClosed, AuthenticationFailed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
+from .errors import AgentClosed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
 from .unix_admit import Acceptor, connect_and_admit, host_key
 from .unix_loop import Loop
 
@@ -223,6 +221,10 @@ class UnixTransport(Loop):
             self._call_soon(lambda: on_done(None, (), err))
             return msg_id
         peer.pending[msg_id] = p
+        if peer.state == "dead" and peer.pending.pop(msg_id, None) is p:  # it died meanwhile
+            err = PeerUnavailable(self.peer_name(dest), "it was declared dead")
+            self._call_soon(lambda: on_done(None, (), err))
+            return msg_id
         self._arm(p, msg_id)
         self._send_app(peer, kind, msg_id, meta, frames, label)
         return msg_id

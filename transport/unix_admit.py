@@ -9,7 +9,6 @@ binary records of the handshake, and nothing is handed on before the connection 
 
 from __future__ import annotations
 
-import collections
 import hmac
 import logging
 import os
@@ -142,7 +141,6 @@ class Acceptor:
     group: dict[int, PeerSpec] | None = None
     conns: dict[int, _Conn] = field(default_factory=dict)  #: fd -> connection in admission
     admitted: set[int] = field(default_factory=set)
-    refused: collections.Counter = field(default_factory=collections.Counter)
 
     def set_group(self, group: dict[int, PeerSpec]) -> None:
         self.group = group
@@ -190,6 +188,8 @@ class Acceptor:
             return self._drop(c, "closed during admission")
         if data:
             c.buf += data
+            if len(c.buf) > uw.HELLO_LEN + uw.PROOF_LEN:
+                return self._drop(c, "it sent more than the handshake before it was admitted")
         return self.advance(c)
 
     def advance(self, c: _Conn) -> tuple[str, Any]:

@@ -13,6 +13,7 @@ import os
 import selectors
 import shutil
 import socket
+import threading
 import time
 from typing import Any
 
@@ -325,6 +326,8 @@ class Loop:
             if peer.state == "up":
                 self._write(peer, bye, (), block=False)
         self._closing = True
+        if threading.get_ident() == self._thread.ident:
+            return  # called from a callback: the receiver thread shuts down when it returns
         if self._thread.ident is None:
             self._shutdown()
             return
