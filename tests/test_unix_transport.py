@@ -19,7 +19,9 @@ import pytest
 from tests.support import poll_for
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
 from tests.unix_support import group
+from transport.base import PeerAddress, PeerSpec, TransportConfig
 from transport.errors import AgentClosed, AuthenticationFailed, PeerUnavailable, RequestTimeout
+from transport.unix import UnixTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,9 +128,9 @@ def test_long_transfer_is_not_taken_for_silence() -> None:
     with group(1, heartbeat_interval=0.1, heartbeat_timeout=0.4, shm_threshold=0, child_extra={"slow_send": True}) as g:
         assert g.joined == [{"event": "ready"}]
         t0 = time.monotonic()
-        meta, frames, err = g.call(1, BIG, {"n": 6 << 20}, [], timeout=30)
+        meta, frames, err = g.call(1, BIG, {"n": 12 << 20}, [], timeout=30)
         took = time.monotonic() - t0
-        assert err is None and bytes(frames[0]) == pattern(6 << 20)
+        assert err is None and bytes(frames[0]) == pattern(12 << 20)
         assert took > 3 * 0.4, f"the transfer was not slow enough to test anything ({took:.2f}s)"
         assert g.t.is_alive(1) and g.dead.empty()
 
@@ -139,6 +141,7 @@ def test_wrong_secret_is_refused(ours: str | None, theirs: str | None) -> None:
         assert isinstance(g.join_error, AuthenticationFailed), g.join_error
         assert g.join_error.peers == ["w1"]
         assert g.joined[0]["event"] == "error"
+        assert g.joined[0]["type"] == "AuthenticationFailed", g.joined[0]  # the acceptor says so too
         assert g.messages.empty()
 
 
@@ -148,33 +151,59 @@ def test_same_secret_is_admitted() -> None:
         assert g.call(1, ECHO, 1, [])[0] == 1
 
 
+def _listening(messages: queue.Queue) -> UnixTransport:
+    """A transport during its join window (listening, group known, peer 1 not yet in)."""
+    t = UnixTransport(TransportConfig(5, "w5", 7, kind="unix"), lambda *a: messages.put(a), lambda p, c: None)
+    t.listen()
+    t.start()
+    stranger = PeerSpec(1, "w1", 8, PeerAddress("h", {"unix": "/nonexistent"}))
+    threading.Thread(target=lambda: _join_quietly(t, stranger), daemon=True).start()
+    return t
+
+
+def _join_quietly(t: UnixTransport, spec: PeerSpec) -> None:
+    try:
+        t.connect_peers([spec], 5.0)
+    except Exception:  # noqa: BLE001 - nobody joins: expected
+        pass
+
+
 def test_stranger_is_refused_before_anything_is_decoded() -> None:
-    with group(1) as g:
-        path = g.t._listener.getsockname()
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(5)
-        s.connect(path)
-        s.sendall(b"RRU1" + b"\x00" * 44 + b"\x93\x01\x10\x00" * 100)
-        try:
-            assert s.recv(100) == b"", "the stranger is cut off"
-        except ConnectionResetError:
-            pass  # cut off with unread bytes in its queue: a reset
-        s.close()
-        assert g.messages.empty() and g.t.stats["unix_refused"] >= 1
-        assert g.call(1, ECHO, 2, [])[0] == 2
+    messages: queue.Queue = queue.Queue()
+    t = _listening(messages)
+    try:
+        path = t._listener.getsockname()
+        for junk in (b"RRU1" + b"\x00" * 44 + b"\x93\x01\x10\x00" * 100,  # id 0: not in the group
+                     b"GET / HTTP/1.1\r\n" * 20):                        # not a peer at all
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(junk)
+            try:
+                assert s.recv(100) == b"", "the stranger is cut off"
+            except ConnectionResetError:
+                pass  # cut off with unread bytes in its queue: a reset
+            s.close()
+        poll_for(lambda: t.stats["unix_refused"] >= 2, 5, "both strangers are refused")
+        assert messages.empty() and t.stats["messages_received"] == 0
+    finally:
+        t.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 def test_other_uid_cannot_even_connect() -> None:
     """The socket lives in a 0700 directory: another uid gets EACCES at connect (its
     SO_PEERCRED check is the second line and cannot be reached from here)."""
-    with group(1) as g:
-        path = g.t._listener.getsockname()
+    t = _listening(queue.Queue())
+    try:
+        path = t._listener.getsockname()
         code = f"import socket; s=socket.socket(socket.AF_UNIX); s.connect({path!r})"
         python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
         res = subprocess.run([python, "-c", code], user=65534, capture_output=True, text=True, timeout=20)
-        assert res.returncode != 0 and "PermissionError" in res.stderr
+        assert res.returncode != 0 and "PermissionError" in res.stderr, res.stderr
         assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    finally:
+        t.close()
 
 
 def test_close_never_hangs_with_a_stopped_peer_and_a_blocked_sender() -> None:
@@ -237,3 +266,16 @@ def test_fault_hook_drops_delays_and_duplicates_by_label() -> None:
         assert got.get(timeout=5) == ("2", None)
         poll_for(lambda: g.t.stats["late_responses_dropped"] >= 1, 5, "the duplicate's answer arrives late")
         assert got.empty()
+
+
+def test_socket_file_is_gone_after_the_join() -> None:
+    """Once every peer is in, the socket file and its directory are removed: a worker
+    SIGKILLed later leaves nothing in the file system, and nobody can connect any more."""
+    with group(1) as g:
+        path = g.t._listener.getsockname()
+        assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+        child_path = g.children[0].hello["address"]["endpoints"]["unix"]
+        poll_for(lambda: not os.path.exists(os.path.dirname(child_path)), 5, "the child's directory is removed")
+        g.children[0].kill()
+        assert g.call(1, ECHO, 1, [])[2] is not None
+        assert not os.path.exists(os.path.dirname(child_path))

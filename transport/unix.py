@@ -41,6 +41,7 @@ import itertools
 import logging
 import os
 import selectors
+import shutil
 import socket
 import tempfile
 import threading
@@ -50,8 +51,8 @@ from typing import Any, Callable, Sequence
 
 from . import shm, unix_wire, wire
 from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
-from .errors import AgentClosed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
-from .unix_admit import Acceptor, connect_and_admit, host_key
+from .errors import AgentClosed, AuthenticationFailed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
+from .unix_admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
 from .unix_loop import Loop
 
 log = logging.getLogger("rrefrt.transport")
@@ -146,8 +147,14 @@ class UnixTransport(Loop):
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Join: connect to (and be admitted by) every peer with a higher id, wait to admit
-        every one with a lower id. Raise AuthenticationFailed / TransportError naming peers."""
-        self._check_usable()
+        every one with a lower id. Raise AuthenticationFailed / TransportError naming peers.
+        Joined or not, the socket file is removed on return: it serves the join only."""
+        try:
+            self._join(peers, timeout)
+        finally:
+            self._unlink()
+
+    def _join(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         table = {p.id: _Peer(spec=p) for p in peers if p.id != self.id}
         self._peers.update(table)
@@ -163,6 +170,14 @@ class UnixTransport(Loop):
         with self._joined:
             while self._join_error is None and any(p.state == "joining" for p in table.values()):
                 left = deadline - time.monotonic()
+                acc = self._acceptor
+                bad = [p.spec.name for i, p in table.items()
+                       if p.state == "joining" and time.monotonic() - acc.failed.get(i, 1e18) > ACCEPT_GRACE]
+                if bad:
+                    raise AuthenticationFailed(
+                        f"worker {self.name!r} could not authenticate {', '.join(map(repr, bad))} over its same-host "
+                        "socket: their answer to the challenge was wrong (a different job secret, or a secret on one "
+                        "side only); start every worker with the same RREFRT_SECRET", bad)
                 if left <= 0:
                     missing = sorted(p.spec.name for p in table.values() if p.state == "joining")
                     raise TransportError(
@@ -172,6 +187,13 @@ class UnixTransport(Loop):
                 self._joined.wait(min(left, 0.1))
         if self._join_error is not None:
             raise self._join_error
+
+    def _unlink(self) -> None:
+        """Remove the socket file and its directory (after the join, and at close), so that
+        a process killed later leaves nothing behind and nobody can connect any more."""
+        d, self._dir = self._dir, None
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
 
     def _set_group(self, group: dict[int, PeerSpec]) -> None:
         """Receiver thread: admission can proceed for connections that arrived early."""

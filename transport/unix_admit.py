@@ -26,6 +26,9 @@ from .errors import AuthenticationFailed, TransportError
 log = logging.getLogger("rrefrt.transport")
 
 ADMIT_TIMEOUT = 10.0  #: an accepted connection that has not passed by then is closed
+#: a peer whose connection failed the challenge fails the join if it is still missing this
+#: long after (a stray connection claiming its id cannot abort a join that completes)
+ACCEPT_GRACE = 2.0
 _CRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -141,6 +144,8 @@ class Acceptor:
     group: dict[int, PeerSpec] | None = None
     conns: dict[int, _Conn] = field(default_factory=dict)  #: fd -> connection in admission
     admitted: set[int] = field(default_factory=set)
+    #: peer id -> when a connection claiming it first failed the challenge (read by the join)
+    failed: dict[int, float] = field(default_factory=dict)
 
     def set_group(self, group: dict[int, PeerSpec]) -> None:
         self.group = group
@@ -215,6 +220,7 @@ class Acceptor:
             ids = ((c.peer.id, c.peer.incarnation), (self.my_id, self.my_inc))
             if not hmac.compare_digest(c.buf[: uw.PROOF_LEN], uw.mac(self.secret, "connector", c.nonce_c, c.nonce_s, *ids)):
                 self.stats["handshake_failures"] += 1
+                self.failed.setdefault(c.peer.id, time.monotonic())
                 return self._drop(c, f"worker {c.peer.name!r} failed the challenge (a different job secret?)")
             if len(c.buf) > uw.PROOF_LEN:
                 return self._drop(c, "it sent before it was admitted")
@@ -228,6 +234,8 @@ class Acceptor:
         return "wait", None
 
     def _drop(self, c: _Conn, why: str) -> tuple[str, Any]:
+        if c.stage == "proof" and c.peer is not None:  # it saw our answer and hung up: it refused us
+            self.failed.setdefault(c.peer.id, time.monotonic())
         self.conns.pop(c.sock.fileno(), None)
         self._refuse(c.sock, why, close=False)
         return "refused", c.sock  # the receiver thread stops watching it, then closes it

@@ -11,7 +11,6 @@ import heapq
 import logging
 import os
 import selectors
-import shutil
 import socket
 import threading
 import time
@@ -373,8 +372,7 @@ class Loop:
             self._acceptor.conns.clear()
         if self._listener is not None:
             self._listener.close()
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        self._unlink()
         self._pool.close()
         self._sel.close()
         try:
