@@ -287,7 +287,8 @@ class Loop:
         peer.state = "dead"
         if joining:
             return
-        log.warning("worker %r declared dead by %r: %s", peer.spec.name, self.name, cause)
+        level = logging.INFO if peer.bye else logging.WARNING  # an orderly close is no alarm
+        log.log(level, "worker %r declared dead by %r: %s", peer.spec.name, self.name, cause)
         self.stats["peers_declared_dead"] += 1
         if peer.sock is not None:
             try:
