@@ -35,6 +35,14 @@ def test_round_trip_keeps_meta_and_frame_order() -> None:
         assert g.t.is_local(1) and g.t.is_alive(1) and g.t.dead_peers() == set()
 
 
+def test_unix_and_auto_implement_the_transport_protocol() -> None:
+    from transport.base import Transport
+
+    with group(1, kind="auto", auto_inner="zmq-test") as g:
+        assert isinstance(g.t, Transport) and isinstance(g.t.local, Transport)
+        assert g.t.is_local(1) and g.t.uses_same_host_path(1)
+
+
 def test_request_to_self_and_timeout() -> None:
     with group(1) as g:
         got: queue.Queue = queue.Queue()
