@@ -1,0 +1,183 @@
+"""The composite transport: same-host peers over AF_UNIX, every other peer over an inner one.
+
+Owns: the choice, per peer, of the path a message takes, and the merging of what the two
+transports report. Registered as ``"auto"``. Imports only the standard library and its
+siblings (``base``, ``unix``); the inner transport (``"zmq"`` by default) is built through
+the registry, so this module never imports zmq itself.
+
+Rules:
+
+1. The inner transport does everything it did alone: it binds, joins the whole group first
+   (joining stays with it), and carries traffic to peers on other hosts and to ourselves.
+2. A peer is reached over the unix transport iff both of us published a ``"unix"`` endpoint
+   with the same ``"unix-host"`` key (same kernel, mount namespace and uid). Both sides
+   decide from the same published addresses, so they agree: a request and its response
+   always travel on the same transport. ``TransportConfig.same_host=False``,
+   ``extra["same_host"]=False`` or the environment variable ``RREFRT_SAME_HOST=0`` publish
+   no unix endpoint, which turns the same-host path off for every pair involving us.
+3. Liveness: a peer is dead as soon as either transport says so (the unix one sees a killed
+   process at once, by EOF); ``on_peer_dead`` is reported once per peer.
+4. If the unix join fails for a reason other than authentication (the socket path is not
+   reachable from the peer, e.g. another mount namespace), the whole group falls back to the
+   inner transport for this worker after logging why; an authentication failure fails the
+   join (a same-host stranger is refused exactly as a CURVE one would be).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, Transport, TransportConfig, create, register
+from .errors import AuthenticationFailed, TransportError
+from .unix import UnixTransport
+from .unix_admit import host_key
+
+log = logging.getLogger("rrefrt.transport")
+
+
+def same_host_enabled(config: TransportConfig) -> bool:
+    return (
+        config.same_host
+        and bool(config.extra.get("same_host", True))
+        and os.environ.get("RREFRT_SAME_HOST", "1").strip().lower() not in ("0", "false", "no", "off")
+    )
+
+
+class AutoTransport:
+    """The ``Transport`` of transport/base.py that picks a path per peer (module docstring)."""
+
+    def __init__(self, config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> None:
+        self.id, self.name = config.worker_id, config.name
+        self._on_peer_dead = on_peer_dead
+        self._dead: set[int] = set()
+        self._dead_lock = threading.Lock()
+        inner_kind = str(config.extra.get("auto_inner", "zmq"))
+        if inner_kind == "auto":
+            raise ValueError("the inner transport of 'auto' cannot be 'auto'")
+        self.inner: Transport = create(dataclasses.replace(config, kind=inner_kind), on_message, self._died)
+        self.local: UnixTransport | None = (
+            UnixTransport(config, on_message, self._died) if same_host_enabled(config) else None
+        )
+        self._local_ids: frozenset[int] = frozenset()
+        self._hook: Any = None
+
+    # ------------------------------------------------------------------ setup
+    def listen(self) -> PeerAddress:
+        addr = self.inner.listen()
+        if self.local is None:
+            return addr
+        la = self.local.listen()
+        return PeerAddress(addr.host, {**addr.endpoints, **la.endpoints})
+
+    def start(self) -> None:
+        self.inner.start()
+        if self.local is not None:
+            self.local.start()
+
+    def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.inner.connect_peers(peers, timeout)
+        if self.local is None:
+            return
+        key = host_key()
+        local = [
+            p for p in peers
+            if p.id != self.id and p.address.endpoints.get("unix-host") == key and "unix" in p.address.endpoints
+        ]
+        if not local:
+            return
+        try:
+            self.local.connect_peers(local, max(1.0, deadline - time.monotonic()))
+        except AuthenticationFailed:
+            raise
+        except TransportError as e:
+            log.warning("worker %r: the same-host data plane is not used (%s); every peer goes through %s",
+                        self.name, e, type(self.inner).__name__)
+            self.local.close(1.0)
+            self.local = None
+            return
+        self._local_ids = frozenset(p.id for p in local)
+
+    # ------------------------------------------------------------------ routing
+    def _via(self, dest: int) -> Transport:
+        local = self.local
+        return local if local is not None and dest in self._local_ids else self.inner  # type: ignore[return-value]
+
+    def request(
+        self, dest: int, kind: int, meta: Any, frames: Sequence[Any], timeout: float, on_done: OnDone, label: str = ""
+    ) -> int:
+        return self._via(dest).request(dest, kind, meta, frames, timeout, on_done, label)
+
+    def send(self, dest: int, kind: int, meta: Any, frames: Sequence[Any] = (), msg_id: int = 0, label: str = "") -> None:
+        self._via(dest).send(dest, kind, meta, frames, msg_id, label)
+
+    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
+        self._via(dest).respond(dest, msg_id, meta, frames, label)
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> None:
+        (self.local if self.local is not None else self.inner).call_later(delay, fn)
+
+    # ------------------------------------------------------------------ questions
+    def _died(self, peer_id: int, cause: str) -> None:
+        with self._dead_lock:
+            if peer_id in self._dead:
+                return
+            self._dead.add(peer_id)
+        self._on_peer_dead(peer_id, cause)
+
+    def is_alive(self, peer_id: int) -> bool:
+        return peer_id not in self._dead and self._via(peer_id).is_alive(peer_id) and self.inner.is_alive(peer_id)
+
+    def is_local(self, peer_id: int) -> bool:
+        return peer_id in self._local_ids or self.inner.is_local(peer_id)
+
+    def uses_same_host_path(self, peer_id: int) -> bool:
+        return self.local is not None and peer_id in self._local_ids
+
+    def dead_peers(self) -> set[int]:
+        dead = set(self._dead) | self.inner.dead_peers()
+        if self.local is not None:
+            dead |= self.local.dead_peers()
+        return dead
+
+    def peer_name(self, peer_id: int) -> str:
+        return self.inner.peer_name(peer_id)
+
+    def pending_per_peer(self) -> dict[str, int]:
+        out = collections.Counter(self.inner.pending_per_peer())
+        if self.local is not None:
+            out.update(self.local.pending_per_peer())
+        return dict(out)
+
+    @property
+    def stats(self) -> collections.Counter:  # type: ignore[override]
+        """Both transports' counters added up (a fresh Counter: read it, do not update it)."""
+        total = collections.Counter(self.inner.stats)
+        if self.local is not None:
+            total.update(self.local.stats)
+        return total
+
+    @property
+    def fault_hook(self) -> Any:  # type: ignore[override]
+        return self._hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: Any) -> None:
+        self._hook = hook
+        self.inner.fault_hook = hook
+        if self.local is not None:
+            self.local.fault_hook = hook
+
+    def close(self, timeout: float = 2.0) -> None:
+        if self.local is not None:
+            self.local.close(timeout / 2)
+        self.inner.close(timeout / 2)
+
+
+register("auto", AutoTransport)
