@@ -10,7 +10,6 @@ import ipaddress
 import logging
 import os
 import random
-import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -21,7 +20,7 @@ from . import serialization, state
 from .errors import AuthenticationError, RpcError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
-from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, host_id, resolve
+from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, resolve
 from .lifecycle import shutdown_graceful
 from .rref import RRef
 from .runtime import Runtime
@@ -76,48 +75,45 @@ def init_rpc(
         deadline = time.monotonic() + options.init_timeout
         incarnation = random.SystemRandom().getrandbits(63)
         secret = job_secret(options)
-        agent_options = transport.AgentOptions(
-            heartbeat_interval=options.heartbeat_interval,
-            heartbeat_timeout=options.heartbeat_timeout,
-            route_grace=min(0.5, options.heartbeat_timeout),
-            max_message_size=options.max_message_size,
-            auth=transport.CurveAuth.for_job(secret, spec.rank, spec.world_size) if secret is not None else None,
-        )
         info = WorkerInfo(name, spec.rank)
         assigned = os.environ.get("RREFRT_DEVICE", "")
         if not options.devices and assigned and assigned != "cpu":  # rrefrt-run's assignment
             options.set_devices([assigned])
         _check_devices(options)
-        # the transport is built here, from the runtime's callbacks (the lead's next step:
-        # transport.create(config, ...) and listen(), which choose the endpoints)
-        rt = Runtime(
-            info, options,
-            lambda on_message, on_peer_dead: transport.Agent(
-                info.id, info.name, incarnation, on_message, on_peer_dead, agent_options
-            ),
+        host = bind_host(spec.master_addr)
+        config = transport.TransportConfig(
+            worker_id=info.id,
+            name=info.name,
+            incarnation=incarnation,
+            host=host,
+            heartbeat_interval=options.heartbeat_interval,
+            heartbeat_timeout=options.heartbeat_timeout,
+            route_grace=min(0.5, options.heartbeat_timeout),
+            max_message_size=options.max_message_size,
+            secret=secret.encode() if isinstance(secret, str) else secret,
+            world_size=spec.world_size,
+            kind=os.environ.get("RREFRT_TRANSPORT", "auto"),
+            extra={"auto_inner": "zmq"},
         )
+        # the transport is built from the runtime's callbacks; it chooses its own endpoints
+        rt = Runtime(info, options, lambda on_message, on_peer_dead: transport.create(config, on_message, on_peer_dead))
         rdzv: Rendezvous | None = None
         try:
-            host = bind_host(spec.master_addr)
             if secret is None:
                 warn_unauthenticated(host)
             # before the agent starts: a peer may call us as soon as the mesh forms
             serialization.set_unpickle_allowlist(options.unpickle_allowlist)
-            tcp = rt.transport.bind(f"tcp://{host}:0")
-            ipc = ""
-            if os.environ.get("RREFRT_NO_IPC") != "1":
-                ipc = rt.transport.bind(f"ipc:///tmp/rrefrt-{os.getpid()}-{secrets.token_hex(6)}.sock")
+            address = rt.transport.listen()
             rt.transport.start()
             rdzv = Rendezvous(spec, options.init_timeout, secret, name)
-            endpoints = {"tcp": tcp, "ipc": ipc} if ipc else {"tcp": tcp}
-            me = Record(name, spec.rank, spec.world_size, incarnation, {"host": host_id(), "endpoints": endpoints}, {})
+            me = Record(name, spec.rank, spec.world_size, incarnation, address.to_wire(), {})
             records = rdzv.join(me, deadline)
             rt.set_world([WorkerInfo(r.name, r.rank) for r in records])
             # current before the mesh is up: a peer that finished joining first may already
             # call us, and its function may use the API
             state.set_current(rt)
             peers = [
-                transport.PeerSpec(r.rank, r.name, r.incarnation, _endpoint(r.address, me.address))
+                transport.PeerSpec(r.rank, r.name, r.incarnation, transport.PeerAddress.from_wire(r.address))
                 for r in records
             ]
             try:
@@ -140,11 +136,6 @@ def init_rpc(
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
         log.info("worker %r (rank %d of %d) joined the group", name, spec.rank, spec.world_size)
-
-
-def _endpoint(address: dict, mine: dict) -> str:
-    eps = address["endpoints"]
-    return eps["ipc"] if eps.get("ipc") and address["host"] == mine["host"] else eps["tcp"]
 
 
 def job_secret(options: RpcBackendOptions) -> str | bytes | None:

@@ -1,7 +1,10 @@
 """rrefrt's messaging layer: the transport seam (``transport.base``) and its implementations.
 
-The built-in implementation is a ZeroMQ ROUTER mesh with msgpack headers and raw buffer
-frames (``transport.zmqagent``, registered as ``"zmq"``). Knows nothing about RRefs;
+Built-in implementations (registered by name): ``"zmq"``, a ZeroMQ ROUTER mesh with msgpack
+headers and raw buffer frames (``transport.zmqagent``); ``"unix"``, the same-host data plane
+over AF_UNIX with shared-memory segments for large frames (``transport.unix``); ``"auto"``,
+the default, which sends to same-host peers over ``"unix"`` and to every other peer over
+``"zmq"`` (``transport.auto``); ``"inproc"``, an in-process fake for unit tests. Knows nothing about RRefs;
 imports only zmq, msgpack and the standard library.
 
 The runtime uses it as::
@@ -28,6 +31,7 @@ from .security import CurveAuth
 from .wire import FIRST_APP_KIND
 from .legacy import Agent, AgentOptions
 from .zmqagent import ZmqTransport
+from . import auto, inproc, unix  # noqa: E402,F401  (register "auto", "inproc", "unix")
 
 __all__ = [
     "Agent",
