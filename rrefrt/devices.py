@@ -286,6 +286,9 @@ class _NoScope:
     def __exit__(self, *exc: Any) -> None:
         return None
 
+    def use(self, incoming: Any) -> None:
+        return None
+
     def finish(self, value: Any) -> Any:
         return value
 
@@ -294,8 +297,15 @@ NO_SCOPE = _NoScope()
 
 
 def call_scope(devices: Sequence[str], incoming: Any = None) -> Any:
-    """The device/stream scope a call runs in on the owner (NOTE [Streams]); use as
-    ``with call_scope(plan.local_cuda, args) as s: value = s.finish(fn(*args))``."""
+    """The device/stream scope a call runs in on the owner (NOTE [Streams]). On the owner:
+
+        with call_scope(plan.local_cuda) as s:     # NO_SCOPE on a worker without CUDA
+            func, args, kwargs = loads(frames, rrefs)  # copies in on the pool streams
+            s.use(args)                            # the first CUDA argument's device current
+            value = s.finish(func(*args, **kwargs))
+            frames = dumps(value, route=plan.reply_route(caller))
+
+    ``incoming`` (tensors decoded before the scope) picks the target device at entry."""
     if not devices:
         return NO_SCOPE
     return _CudaScope(devices, incoming)
@@ -379,6 +389,15 @@ class _CudaScope:
             self._restore()
             raise
         return self
+
+    def use(self, incoming: Any) -> None:
+        """Make the device of ``incoming``'s first CUDA tensor current (for a scope entered
+        before the arguments were decoded: decoding runs inside the scope)."""
+        import torch
+
+        first = cuda_tensors(incoming, limit=1)
+        if first and first[0].device.index != torch.cuda.current_device():
+            torch.cuda.set_device(first[0].device.index)
 
     def finish(self, value: Any) -> Any:
         """Mark ``value``'s CUDA tensors as used by each device's default stream, which
