@@ -96,16 +96,25 @@ def probe_cuda() -> CudaProbe:
     return CudaProbe(n, tuple(uuids))
 
 
-def default_devices(options_devices: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+def default_devices(options_devices: Sequence[str], environ: Mapping[str, str], strict: bool = True) -> list[str]:
     """The devices a worker uses: its own ``devices=`` option, else the launcher's
     RREFRT_DEVICE. The launcher masks a worker's GPU with CUDA_VISIBLE_DEVICES, so the GPU
     it was given is ``cuda:0`` inside the worker, whichever physical GPU it is."""
+    norm = normalize_device if strict else _norm
     if options_devices:
-        return [normalize_device(d) for d in options_devices]
+        return [norm(d) for d in options_devices]
     assigned = environ.get("RREFRT_DEVICE", "").strip()
     if assigned and assigned != "cpu":
-        return [normalize_device(assigned)]
+        return [norm(assigned)]
     return []
+
+
+def _norm(d: Any) -> str:
+    """normalize_device, or the device as given (``_check_own`` reports it)."""
+    try:
+        return normalize_device(d)
+    except DeviceMapError:
+        return str(d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,22 +133,24 @@ class DeviceInfo:
     def local(cls, name: str, devices: Sequence[Any], device_maps: Mapping[str, Mapping[Any, Any]],
               environ: Mapping[str, str] | None = None,
               probe: Callable[[], CudaProbe] | None = None) -> "DeviceInfo":
-        """This worker's info; checks its own devices (a local error needs no rendezvous)."""
+        """This worker's info, to publish. Never raises for a bad device or map: a worker
+        that stopped before the rendezvous would leave the others waiting for it until
+        init_timeout; ``DevicePlan.build`` reports every problem on every worker instead
+        (``problems()`` lists this worker's own, for a caller that wants them early)."""
         env = os.environ if environ is None else environ
-        devs = tuple(default_devices([normalize_device(d) for d in devices], env))
-        maps = {str(peer): {normalize_device(k): normalize_device(v) for k, v in m.items()}
-                for peer, m in device_maps.items()}
-        named = set(devs) | {d for m in maps.values() for d in m}
+        devs = tuple(_norm(d) for d in default_devices([_norm(d) for d in devices], env, strict=False))
+        maps = {str(peer): {_norm(k): _norm(v) for k, v in m.items()} for peer, m in device_maps.items()}
+        named = set(devs) | {d for m in maps.values() for d in [*m.keys(), *m.values()]}
         needs_cuda = any(d != "cpu" for d in named)
         if probe is None:
             probe = probe_cuda if (needs_cuda or "torch" in sys.modules) else (lambda: CudaProbe(None))
         seen = probe()
-        info = cls(name, devs, maps, seen.count, seen.uuids, env.get("CUDA_VISIBLE_DEVICES"),
+        return cls(name, devs, maps, seen.count, seen.uuids, env.get("CUDA_VISIBLE_DEVICES"),
                    buffers.cuda_ipc_enabled(env))
-        errors = _check_own(info)
-        if errors:
-            raise DeviceMapError("; ".join(errors))
-        return info
+
+    def problems(self) -> list[str]:
+        """What is wrong with this worker's own devices and maps (no peer needed)."""
+        return _check_own(self)
 
     def to_meta(self) -> dict[str, Any]:
         return {"devices": list(self.devices), "maps": {p: dict(m) for p, m in self.maps.items()},
@@ -178,8 +189,12 @@ def _has(info: DeviceInfo, dev: str) -> bool:
 
 def _check_own(w: DeviceInfo) -> list[str]:
     errors = []
+    named = set(w.devices) | {d for m in w.maps.values() for d in [*m.keys(), *m.values()]}
+    for d in sorted(named):
+        if d != "cpu" and _cuda_index(d) is None:
+            errors.append(f"worker {w.name!r} names device {d!r}: rrefrt maps 'cpu' and 'cuda:N' devices")
     for d in w.devices:
-        if not _has(w, d):
+        if _cuda_index(d) is not None and not _has(w, d):
             errors.append(f"worker {w.name!r} uses device {d}, but it {w.describe_cuda()}")
     for peer, m in sorted(w.maps.items()):
         if len(set(m.values())) != len(m):
@@ -189,6 +204,8 @@ def _check_own(w: DeviceInfo) -> list[str]:
             if (src == "cpu") != (dst == "cpu"):
                 errors.append(f"the device map of worker {w.name!r} to worker {peer!r} maps {src} to {dst}: "
                               "CPU tensors stay CPU tensors; map CUDA devices to CUDA devices")
+            elif _cuda_index(src) is None:
+                continue  # reported above
             elif not _has(w, src):
                 errors.append(f"the device map of worker {w.name!r} to worker {peer!r} names {src} on "
                               f"{w.name!r}, but {w.name!r} {w.describe_cuda()}")
@@ -229,7 +246,7 @@ class DevicePlan:
                                   f"group (workers: {', '.join(sorted(infos))})")
                     continue
                 for src, dst in sorted(m.items()):
-                    if (src == "cpu") != (dst == "cpu"):
+                    if (src == "cpu") != (dst == "cpu") or (dst != "cpu" and _cuda_index(dst) is None):
                         continue  # reported by _check_own
                     if not _has(p, dst):
                         errors.append(f"the device map of worker {w.name!r} to worker {peer!r} maps {src} to "
