@@ -40,7 +40,7 @@ import os
 import re
 import sys
 import threading
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import buffers
 from .buffers import DeviceMapError, Route

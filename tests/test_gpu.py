@@ -54,10 +54,10 @@ def start_group(workers: Workers, peers: dict[str, dict], g0_options: dict) -> N
                 workers.kill(p)
 
 
-def stop_group(workers: Workers, graceful: bool = True) -> None:
-    gc.collect()
+def stop_group(workers: Workers) -> None:
+    """Leave at once (a peer may be dead) and kill every child."""
     if rrefrt.state.current_or_none() is not None:
-        rrefrt.shutdown(graceful=graceful, timeout=30) if graceful else rrefrt.shutdown(graceful=False)
+        rrefrt.shutdown(graceful=False)
     workers.kill_all()
 
 
@@ -68,13 +68,12 @@ def gpu_group():
         start_group(workers, {"g1": {"devices": ["cuda:0"]}, "g2": {}},
                     {"devices": ["cuda:0"], "device_maps": {"g1": {"cuda:0": "cuda:0"}}})
         yield workers
-        stop_group(workers)
+        gc.collect()
+        rrefrt.shutdown(timeout=30)
         for code, out in workers.wait_all(30):
             assert code == 0, out
     finally:
-        if rrefrt.state.current_or_none() is not None:
-            rrefrt.shutdown(graceful=False)
-        workers.kill_all()
+        stop_group(workers)
 
 
 @pytest.mark.usefixtures("gpu_group")
@@ -191,4 +190,4 @@ def test_worker_killed_with_gpu_tensors_in_flight(tmp_path):
         assert leaked <= 4 * N * 4, leaked
         assert float(torch.ones(10, device=CUDA0).sum()) == 10.0  # the GPU still works here
     finally:
-        stop_group(workers, graceful=False)
+        stop_group(workers)
