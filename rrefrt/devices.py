@@ -266,7 +266,7 @@ class DevicePlan:
             here = peer != me and local(peer)
             requests[peer] = Route(peer, dict(mine.maps.get(peer, {})), ipc, here)
             replies[peer] = Route(peer, _inverse(p.maps.get(me, {})), ipc, here)
-        cuda = tuple(d for d in mine.devices if d != "cpu")
+        cuda = tuple(dict.fromkeys(d for d in mine.devices if d != "cpu"))
         targets = {v for i in infos.values() for v in i.maps.get(me, {}).values()}
         sources = {k for m in mine.maps.values() for k in m}
         extra = sorted((targets | sources) - set(cuda) - {"cpu"}, key=lambda d: _cuda_index(d) or 0)

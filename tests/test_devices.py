@@ -103,6 +103,7 @@ def test_local_cuda_includes_devices_named_by_maps():
     b = info("b", [], {"a": {"cuda:0": "cuda:0"}})
     assert plan("a", a, b).local_cuda == ("cuda:0", "cuda:1")  # source of a's map, target of b's
     assert plan("b", a, b).local_cuda == ("cuda:0",)
+    assert plan("c", info("c", ["cuda:1", "cuda:1", "cuda:0"])).local_cuda == ("cuda:1", "cuda:0")
 
 
 def test_unknown_peer_route_is_empty():
