@@ -257,7 +257,8 @@ class CudaIpcCodec:
     name = "cuda_ipc"
 
     def accepts(self, tensor: Any, route: Route) -> bool:
-        return bool(route.ipc_devices) and tensor.device.type == "cuda" and str(tensor.device) in route.ipc_devices
+        return (bool(route.ipc_devices) and tensor.device.type == "cuda" and str(tensor.device) in route.ipc_devices
+                and tensor.numel() > 0)  # an empty storage has no allocation to share
 
     def encode(self, tensor: Any, route: Route) -> tuple[Callable[..., Any], tuple]:
         device = target_device(tensor, route)

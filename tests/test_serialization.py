@@ -191,11 +191,13 @@ def test_codec_registry_picks_the_first_that_accepts():
 
 
 def test_cuda_ipc_codec_accepts_only_cuda_tensors_on_shared_gpus():
-    cuda0 = SimpleNamespace(device=torch.device("cuda", 0))
-    cuda1 = SimpleNamespace(device=torch.device("cuda", 1))
+    cuda0 = SimpleNamespace(device=torch.device("cuda", 0), numel=lambda: 4)
+    cuda1 = SimpleNamespace(device=torch.device("cuda", 1), numel=lambda: 4)
+    empty = SimpleNamespace(device=torch.device("cuda", 0), numel=lambda: 0)
     r = Route("w", {"cuda:0": "cuda:0", "cuda:1": "cuda:1"}, {"cuda:0": "cuda:2"}, True)
     assert buffers.CUDA_IPC.accepts(cuda0, r)
     assert not buffers.CUDA_IPC.accepts(cuda1, r)
+    assert not buffers.CUDA_IPC.accepts(empty, r)
     assert not buffers.CUDA_IPC.accepts(torch.ones(1), r)
     assert not buffers.CUDA_IPC.accepts(cuda0, Route("w", {"cuda:0": "cuda:0"}))
 
