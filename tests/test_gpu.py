@@ -93,10 +93,16 @@ class TestGpuGroup:
         assert out.device == CUDA0 and torch.equal(out, t)
         assert out.data_ptr() != t.data_ptr()
 
-    def test_non_contiguous_cuda_tensor_keeps_values(self):
+    def test_non_contiguous_and_empty_cuda_tensors(self):
         t = torch.randn(64, 48, device=CUDA0).t()[::2]
         out = rrefrt.rpc_sync("g1", fns.identity, args=(t,))
         assert out.device == CUDA0 and torch.equal(out, t)
+        p = torch.randn(8, 16, device=CUDA0).t()  # dense, transposed: strides kept
+        out = rrefrt.rpc_sync("g1", fns.identity, args=(p,))
+        assert torch.equal(out, p) and out.stride() == p.stride()
+        e = torch.empty(0, 3, device=CUDA0)
+        out = rrefrt.rpc_sync("g1", fns.identity, args=(e,))
+        assert out.device == CUDA0 and out.shape == (0, 3)
 
     def test_large_tensor_round_trip(self):
         t = torch.randn(16 * N, device=CUDA0)  # 256 MB
