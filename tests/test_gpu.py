@@ -122,6 +122,12 @@ class TestGpuGroup:
             assert "cuda:0" in str(e.value) and "'g2'" in str(e.value)
         assert rrefrt.rpc_sync("g2", fns.identity, args=(1,)) == 1  # the group is fine
 
+    @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+    def test_reply_on_a_device_the_inverse_map_lacks_fails_the_call(self):
+        with pytest.raises(DeviceMapError, match="cuda:1"):
+            rrefrt.rpc_sync("g1", fns.on_cuda1, args=(4,))
+        assert rrefrt.rpc_sync("g1", fns.context)["current_device"] == 0  # g1 is fine
+
     def test_reply_waits_for_the_owners_kernels(self):
         x = torch.arange(N, dtype=torch.float32, device=CUDA0)
         expect = x * 3
