@@ -18,11 +18,12 @@ ends share), the registry of tensor codecs, and the two codecs rrefrt has today:
 Imports from rrefrt: errors. torch is imported only by the functions that handle a tensor.
 
 NOTE [Tensor codecs]
-  A codec is ``encode(tensor, route, add_buffer) -> (rebuild, args)``: the pickle reduction
-  of one tensor. ``rebuild`` must be a module-level function named in
-  ``serialization._INTERNAL_GLOBALS`` (payloads may be read under an allowlist).
-  ``add_buffer`` is not used: out-of-band bytes are returned as ``pickle.PickleBuffer``
-  inside ``args`` (pickle's own buffer_callback makes them frames). ``codec_for`` picks the
+  A codec is ``encode(tensor, route, device) -> (rebuild, args)``: the pickle reduction of
+  one tensor that must land on ``device`` (``target_device``, computed once by
+  ``reduce_tensor``). ``rebuild`` must be a module-level function listed in
+  ``REBUILD_GLOBALS`` (payloads may be read under an allowlist). Out-of-band bytes are
+  returned as ``pickle.PickleBuffer`` inside ``args`` (pickle's buffer_callback makes them
+  frames). ``codec_for`` picks the
   codec per tensor: the first registered codec whose ``accepts(tensor, route)`` is true,
   then ``frames``. A same-host shared-memory codec registers with an ``accepts`` that
   looks at ``route.same_host`` (and the transport-level shm segment it writes to); a codec
@@ -46,6 +47,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import sys
 import warnings
 from typing import Any, Callable, Mapping, Protocol
 
@@ -93,7 +95,7 @@ class TensorCodec(Protocol):
 
     def accepts(self, tensor: Any, route: Route) -> bool: ...
 
-    def encode(self, tensor: Any, route: Route) -> tuple[Callable[..., Any], tuple]: ...
+    def encode(self, tensor: Any, route: Route, device: str) -> tuple[Callable[..., Any], tuple]: ...
 
 
 _codecs: list[TensorCodec] = []
@@ -138,14 +140,12 @@ def target_device(tensor: Any, route: Route) -> str:
 
 def reduce_tensor(tensor: Any, route: Route) -> tuple[Callable[..., Any], tuple]:
     """The pickle reduction of one strided tensor (or Parameter) bound for ``route``."""
-    target_device(tensor, route)  # fail at the call site, whatever the codec
-    return codec_for(tensor, route).encode(tensor, route)
+    device = target_device(tensor, route)  # fails at the call site, whatever the codec
+    return codec_for(tensor, route).encode(tensor, route, device)
 
 
 def _kind(tensor: Any) -> str:
-    import torch
-
-    return "param" if isinstance(tensor, torch.nn.Parameter) else "tensor"
+    return "param" if isinstance(tensor, sys.modules["torch"].nn.Parameter) else "tensor"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -178,8 +178,7 @@ class FramesCodec:
     def accepts(self, tensor: Any, route: Route) -> bool:
         return True
 
-    def encode(self, tensor: Any, route: Route) -> tuple[Callable[..., Any], tuple]:
-        device = target_device(tensor, route)
+    def encode(self, tensor: Any, route: Route, device: str) -> tuple[Callable[..., Any], tuple]:
         data = tensor.detach()
         if data.is_conj():
             data = data.resolve_conj()
@@ -218,8 +217,7 @@ def _rebuild_frames(buf: Any, dtype: str, shape: tuple, strides: tuple, requires
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only frames: torch warns, we never write them
             raw = torch.frombuffer(mv, dtype=torch.uint8)
-        itemsize = torch.empty((), dtype=tdtype).element_size()
-        if raw.data_ptr() % max(1, itemsize):
+        if raw.data_ptr() % max(1, tdtype.itemsize):
             raw = raw.clone()
         flat = raw.view(tdtype)
         if _span_of(shape, strides) > flat.numel():
@@ -260,19 +258,18 @@ class CudaIpcCodec:
         return (bool(route.ipc_devices) and tensor.device.type == "cuda" and str(tensor.device) in route.ipc_devices
                 and tensor.numel() > 0)  # an empty storage has no allocation to share
 
-    def encode(self, tensor: Any, route: Route) -> tuple[Callable[..., Any], tuple]:
-        device = target_device(tensor, route)
+    def encode(self, tensor: Any, route: Route, device: str) -> tuple[Callable[..., Any], tuple]:
         open_on = route.ipc_devices[str(tensor.device)]
         data = tensor.detach()
         if data.is_conj() or data.is_neg():
-            return FRAMES.encode(tensor, route)
+            return FRAMES.encode(tensor, route, device)
         try:
             # records an event on the current stream: the receiver's copy waits for it
             (_dev, handle, size_b, offset_b, rc_handle, rc_offset, ev_handle, ev_sync) = (
                 data.untyped_storage()._share_cuda_())
         except Exception as e:  # e.g. expandable segments, or no IPC on this platform
             _warn_ipc_once(f"{type(e).__name__}: {e}")
-            return FRAMES.encode(tensor, route)
+            return FRAMES.encode(tensor, route, device)
         return (
             _rebuild_cuda_ipc,
             (_dtype_name(data.dtype), tuple(data.shape), tuple(data.stride()), data.storage_offset(), open_on,

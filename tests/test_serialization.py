@@ -177,8 +177,8 @@ def test_codec_registry_picks_the_first_that_accepts():
         def accepts(self, tensor, route):
             return route.same_host
 
-        def encode(self, tensor, route):
-            return buffers.FRAMES.encode(tensor * 2, route)
+        def encode(self, tensor, route, device):
+            return buffers.FRAMES.encode(tensor * 2, route, device)
 
     buffers.register_codec(Shm())
     try:
@@ -234,7 +234,7 @@ class _FakeCudaTensor:
 def test_cuda_ipc_encode_carries_handle_placement_and_strides():
     share = (0, b"handle", 4096, 512, b"/rc", 8, b"event", True)
     route = Route("w", {"cuda:0": "cuda:1"}, {"cuda:0": "cuda:3"}, True)
-    fn, args = buffers.CUDA_IPC.encode(_FakeCudaTensor(lambda: share), route)
+    fn, args = buffers.CUDA_IPC.encode(_FakeCudaTensor(lambda: share), route, "cuda:1")
     assert fn is buffers._rebuild_cuda_ipc
     assert args[:5] == ("float32", (2, 3), (1, 2), 4, "cuda:3")  # opened where the peer sees that GPU
     assert args[5:12] == share[1:]
@@ -248,11 +248,11 @@ def test_cuda_ipc_export_failure_falls_back_to_staging_and_logs_once(monkeypatch
 
     staged = []
     monkeypatch.setattr(buffers, "_ipc_warned", False)
-    monkeypatch.setattr(buffers.FRAMES, "encode", lambda t, r: staged.append(t) or ("frames", ()))
+    monkeypatch.setattr(buffers.FRAMES, "encode", lambda t, r, d: staged.append(t) or ("frames", ()))
     route = Route("w", {"cuda:0": "cuda:0"}, {"cuda:0": "cuda:0"}, True)
     with caplog.at_level(logging.WARNING, logger="rrefrt.buffers"):
         for _ in range(3):
-            assert buffers.CUDA_IPC.encode(_FakeCudaTensor(refuse), route) == ("frames", ())
+            assert buffers.CUDA_IPC.encode(_FakeCudaTensor(refuse), route, "cuda:0") == ("frames", ())
     assert len(staged) == 3
     assert sum("CUDA IPC unavailable" in r.getMessage() for r in caplog.records) == 1
 
