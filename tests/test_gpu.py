@@ -163,7 +163,7 @@ class TestGpuGroup:
         xs = [torch.full((1 << 16,), float(i), device=CUDA0) for i in range(32)]
         futs = [rrefrt.rpc_async("g1", fns.slow_scale, args=(x, 2.0, 1_000_000)) for x in xs]
         for i, f in enumerate(futs):
-            out = f.wait()
+            out = f.wait(60)
             assert out.device == CUDA0 and bool((out == 2.0 * i).all())
 
 
@@ -189,7 +189,7 @@ def test_worker_killed_with_gpu_tensors_in_flight(tmp_path):
         t0 = time.monotonic()
         for f in futs:
             with pytest.raises(RpcError):
-                f.wait()
+                f.wait(20)
         elapsed = time.monotonic() - t0
         print(f"in-flight calls failed {elapsed:.2f}s after SIGKILL")
         assert elapsed < 10.0
