@@ -30,9 +30,12 @@ class WorkerInfo:
 
 
 def _device_str(d: Any) -> str:
-    if isinstance(d, int):
+    """``0`` and ``"cuda"`` -> ``"cuda:0"``; anything else as ``str`` (a torch.device too).
+    Whether the device is valid is checked at init, on every worker (rrefrt/devices.py)."""
+    if isinstance(d, int) and not isinstance(d, bool):
         return f"cuda:{d}"
-    return str(d)
+    s = str(d).strip()
+    return "cuda:0" if s == "cuda" else s
 
 
 class RpcBackendOptions:
@@ -103,7 +106,8 @@ class RpcBackendOptions:
         self.unpickle_allowlist = None if unpickle_allowlist is None else list(unpickle_allowlist)
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
-        """Tensors on caller device ``k`` arrive on callee ``to``'s device ``device_map[k]``."""
+        """Tensors on caller device ``k`` arrive on callee ``to``'s device ``device_map[k]``;
+        replies come back by the inverse map (docs/devices.md)."""
         if not isinstance(device_map, dict):
             raise TypeError(f"device_map must be a dict, got {type(device_map).__name__}")
         mapped = {_device_str(k): _device_str(v) for k, v in device_map.items()}

@@ -2,15 +2,14 @@
 fork data in the (msgpack) header.
 
 Owns: turning Python objects into frames and back, and the translation of exceptions for
-the wire. Imports from rrefrt: errors, messages. torch is imported only when a tensor
-crosses (``sys.modules`` tells whether one can exist at all).
+the wire. Imports from rrefrt: buffers, errors. torch is imported only when a tensor crosses
+(``sys.modules`` tells whether one can exist at all).
 
-Frames of a payload: ``[pickle stream, buffer 0, buffer 1, ...]``. A tensor is reduced to
-``_rebuild_tensor(PickleBuffer, dtype, shape, requires_grad, kind)``; its storage bytes
-become an out-of-band buffer sent zero-copy (the frame keeps the tensor alive until libzmq
-has sent it). Non-contiguous tensors are made contiguous first (values, dtype and shape are
-kept; strides of the receiver's tensor are the contiguous ones). Received tensors alias the
-received frame's memory: no copy unless the memory is misaligned for the dtype.
+Frames of a payload: ``[pickle stream, buffer 0, buffer 1, ...]``. How a tensor travels
+(its bytes as an out-of-band frame, a CUDA IPC handle, ...) and on which device it lands is
+rrefrt/buffers.py's business: the pickler hands each strided tensor to
+``buffers.reduce_tensor(tensor, route)``, where ``route`` (an argument of ``dumps``, never
+thread-local state) names the destination and the device map for this direction.
 
 An RRef inside a payload is reduced to ``_load_rref(i)``: its fork data goes into the
 header's fork list at index ``i`` (created through the ``fork`` hook, so the protocol
@@ -27,15 +26,14 @@ attributes, so ``rrefrt.runtime`` + ``os.system`` would reach ``os.system``.
 
 from __future__ import annotations
 
-import ctypes
 import io
 import pickle
 import sys
 import threading
 import traceback
-import warnings
 from typing import Any, Callable, Sequence
 
+from . import buffers
 from .errors import RemoteError, RpcError, SerializationError, rebuildable
 
 _tls = threading.local()
@@ -49,54 +47,17 @@ def set_unpickle_allowlist(names: Sequence[str] | None) -> None:
 
 
 # ---------------------------------------------------------------------------- tensors
-def _tensor_buffer(t: Any) -> Any:
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return b""
-    arr = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    arr._keep = t  # the buffer keeps its tensor alive until the frame is sent
-    return memoryview(arr)
-
-
-def _reduce_tensor(t: Any) -> tuple:
-    import torch
-
-    kind = "param" if isinstance(t, torch.nn.Parameter) else "tensor"
-    send_map = getattr(_tls, "send_map", None) or {}
-    device = send_map.get(str(t.device), "cpu") if t.device.type != "cpu" else "cpu"
-    data = t.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
-    if not data.is_contiguous():
-        data = data.contiguous()
-    dtype = str(data.dtype).split(".", 1)[1]
-    return (
-        _rebuild_tensor,
-        (pickle.PickleBuffer(_tensor_buffer(data)), dtype, tuple(data.shape), t.requires_grad, kind, device),
-    )
-
-
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple, requires_grad: bool, kind: str, device: str) -> Any:
-    import torch
+    """The previous wire form of a tensor (contiguous, no strides); kept for old payloads."""
+    return buffers._rebuild_frames(buf, dtype, shape, _contiguous_strides(shape), requires_grad, kind, device)
 
-    tdtype = getattr(torch, dtype)
-    mv = memoryview(buf)
-    if mv.nbytes == 0:
-        t = torch.empty(shape, dtype=tdtype)
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            raw = torch.frombuffer(mv, dtype=torch.uint8)
-        if raw.data_ptr() % max(1, torch.empty((), dtype=tdtype).element_size()):
-            raw = raw.clone()
-        t = raw.view(tdtype).reshape(shape)
-    if device != "cpu":
-        t = t.to(device)
-    if kind == "param":
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(1, size)
+    return tuple(reversed(strides))
 
 
 # ---------------------------------------------------------------------------- rrefs
@@ -105,9 +66,11 @@ def _load_rref(index: int) -> Any:
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, buffers: list, fork: Callable[[Any], Any] | None) -> None:
-        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+    def __init__(self, file: io.BytesIO, out_buffers: list, fork: Callable[[Any], Any] | None,
+                 route: buffers.Route) -> None:
+        super().__init__(file, protocol=5, buffer_callback=out_buffers.append)
         self._fork = fork
+        self._route = route
         self.forks: list[Any] = []
         self.fork_error: BaseException | None = None
         self._torch = sys.modules.get("torch")
@@ -123,13 +86,14 @@ class _Pickler(pickle.Pickler):
                 raise
             return (_load_rref, (len(self.forks) - 1,))
         torch = self._torch
-        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided:
-            return _reduce_tensor(obj)
+        if (torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided
+                and not obj.is_quantized):
+            return buffers.reduce_tensor(obj, self._route)
         return NotImplemented
 
 
 #: rrefrt's globals that payloads name, admitted under any allowlist
-_INTERNAL_GLOBALS = frozenset({
+_INTERNAL_GLOBALS = buffers.REBUILD_GLOBALS | frozenset({
     "rrefrt.serialization._rebuild_tensor",
     "rrefrt.serialization._load_rref",
     "rrefrt.rref._invoke_on_owner",
@@ -158,21 +122,27 @@ class _Unpickler(pickle.Unpickler):
 
 
 def dumps(
-    obj: Any, fork: Callable[[Any], Any] | None = None, device_map: dict[str, str] | None = None
+    obj: Any, fork: Callable[[Any], Any] | None = None, device_map: dict[str, str] | None = None,
+    *, route: buffers.Route | None = None,
 ) -> tuple[list[Any], list[Any]]:
-    """Return ``(frames, forks)``. ``device_map`` maps this worker's devices to the
-    receiver's (tensors on unmapped devices arrive on the CPU). On failure the forks already
-    made are attached to the raised error as ``.forks``, for the caller to undo."""
-    buffers: list[pickle.PickleBuffer] = []
+    """Return ``(frames, forks)``.
+
+    ``route`` says where the payload goes (rrefrt/buffers.py: destination name, device map
+    for this direction, what the ends share); ``device_map`` alone is the older spelling of
+    ``Route(peer, device_map)``. A tensor on a device the map does not name raises
+    DeviceMapError here, at the call site. On failure the forks already made are attached
+    to the raised error as ``.forks``, for the caller to undo."""
+    if route is None:
+        route = buffers.Route("the destination", device_map or {}) if device_map else buffers.LOCAL_ROUTE
+    out: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
-    p = _Pickler(f, buffers, fork)
-    _tls.send_map = device_map
+    p = _Pickler(f, out, fork, route)
     try:
         p.dump(obj)
     except SerializationError as e:
         e.forks = p.forks  # type: ignore[attr-defined]
         raise
-    except RpcError as e:  # e.g. an RRef whose creation failed: its error is raised as-is
+    except RpcError as e:  # e.g. an RRef whose creation failed, a device map error: raised as-is
         e.forks = p.forks  # type: ignore[attr-defined]
         raise
     except Exception as e:
@@ -182,9 +152,7 @@ def dumps(
         err = SerializationError(f"cannot send {_describe(obj)}: {type(e).__name__}: {e}")
         err.forks = p.forks  # type: ignore[attr-defined]
         raise err from e
-    finally:
-        _tls.send_map = None
-    return [f.getbuffer(), *(b.raw() for b in buffers)], p.forks
+    return [f.getbuffer(), *(b.raw() for b in out)], p.forks
 
 
 def loads(frames: Sequence[Any], rrefs: list[Any]) -> Any:
