@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "RemoteError": "errors",
     "RemoteSerializationError": "errors",
     "AuthenticationError": "errors",
+    "DeviceMapError": "buffers",
 }
 #: submodules reachable as attributes (``rrefrt.functions.async_execution``)
 _SUBMODULES = ("functions", "futures")

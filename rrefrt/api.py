@@ -18,6 +18,7 @@ import transport
 
 from . import serialization, state
 from .errors import AuthenticationError, RpcError, ShutdownError
+from .devices import DeviceInfo, DevicePlan
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
 from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, resolve
@@ -76,10 +77,10 @@ def init_rpc(
         incarnation = random.SystemRandom().getrandbits(63)
         secret = job_secret(options)
         info = WorkerInfo(name, spec.rank)
-        assigned = os.environ.get("RREFRT_DEVICE", "")
-        if not options.devices and assigned and assigned != "cpu":  # rrefrt-run's assignment
-            options.set_devices([assigned])
-        _check_devices(options)
+        # published, not raised: a bad map fails init on every worker at once after the
+        # rendezvous (DevicePlan.build), instead of one worker stopping and the others waiting
+        dinfo = DeviceInfo.local(name, options.devices, options.device_maps)
+        options.set_devices(list(dinfo.devices))  # the launcher's RREFRT_DEVICE when empty
         host = bind_host(spec.master_addr)
         config = transport.TransportConfig(
             worker_id=info.id,
@@ -106,8 +107,13 @@ def init_rpc(
             address = rt.transport.listen()
             rt.transport.start()
             rdzv = Rendezvous(spec, options.init_timeout, secret, name)
-            me = Record(name, spec.rank, spec.world_size, incarnation, address.to_wire(), {})
+            me = Record(name, spec.rank, spec.world_size, incarnation, address.to_wire(), {"devices": dinfo.to_meta()})
             records = rdzv.join(me, deadline)
+            hosts = {r.name: r.address.get("host") for r in records}
+            rt.devices = DevicePlan.build(
+                name, {r.name: DeviceInfo.from_meta(r.name, r.meta.get("devices")) for r in records},
+                lambda peer: hosts.get(peer) == address.host,
+            )
             rt.set_world([WorkerInfo(r.name, r.rank) for r in records])
             # current before the mesh is up: a peer that finished joining first may already
             # call us, and its function may use the API
@@ -161,24 +167,6 @@ def warn_unauthenticated(bind_address: str) -> bool:
         bind_address,
     )
     return True
-
-
-def _check_devices(options: RpcBackendOptions) -> None:
-    names = set(options.devices)
-    for dmap in options.device_maps.values():
-        names |= set(dmap) | set(dmap.values())
-    cuda = [d for d in names if d.startswith("cuda")]
-    if not cuda:
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError(f"device maps / devices name CUDA devices {sorted(cuda)} but CUDA is not available here")
-    count = torch.cuda.device_count()
-    for d in cuda:
-        idx = int(d.split(":", 1)[1]) if ":" in d else 0
-        if idx >= count:
-            raise ValueError(f"device {d!r} does not exist: this worker sees {count} CUDA device(s)")
 
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:

@@ -26,6 +26,7 @@ import transport
 
 from . import serialization as ser
 from . import state
+from .devices import NO_SCOPE
 from .errors import RemoteSerializationError, SerializationError, ShutdownError
 from .functions import is_async_execution, when_future_done
 from .pool import PoolExhaustedError
@@ -95,27 +96,35 @@ class Callee:
     def run_call(self, src: int, msg: Any, msg_id: int, frames: Sequence[Any], rrefs: list[Any],
                  rec: OwnerRecord | None) -> None:
         rt = self.rt
+        #: NOTE [Device maps] in rrefrt/devices.py: the function runs with this worker's device
+        #: current, on a pooled stream that waits for the arriving tensors; its result's
+        #: tensors are recorded so the caller never sees unfinished values (NO_SCOPE without CUDA)
+        scope = rt.devices.scope() if rt.devices is not None else NO_SCOPE
 
         def done(value: Any, exc: BaseException | None) -> None:
             try:
+                if exc is None:
+                    value = scope.finish(value)
                 self.finish(src, msg, msg_id, rec, value, exc)
             finally:
                 rt.lifecycle.track_call(-1, src)
 
-        try:
-            func, args, kwargs = ser.loads(frames, rrefs)
-        except BaseException as e:
-            if isinstance(e, SerializationError):  # we lack (or refuse) a class: say so, typed
-                cause = e.__cause__ or e
-                err = RemoteSerializationError(str(e), f"{type(cause).__module__}.{type(cause).__qualname__}", rt.info.name)
-                err.__cause__ = e
-                e = err
-            done(None, e)
-            return
-        if rrefs:  # torch's rule: RRefs received as arguments are confirmed when the function runs
-            wait_received_confirmed(rrefs, time.monotonic() + rt.options.rpc_timeout)
-        del rrefs, frames
-        self.invoke(func, args, kwargs, done)
+        with scope:
+            try:
+                func, args, kwargs = ser.loads(frames, rrefs)
+            except BaseException as e:
+                if isinstance(e, SerializationError):  # we lack (or refuse) a class: say so, typed
+                    cause = e.__cause__ or e
+                    err = RemoteSerializationError(str(e), f"{type(cause).__module__}.{type(cause).__qualname__}", rt.info.name)
+                    err.__cause__ = e
+                    e = err
+                done(None, e)
+                return
+            if rrefs:  # torch's rule: RRefs received as arguments are confirmed when the function runs
+                wait_received_confirmed(rrefs, time.monotonic() + rt.options.rpc_timeout)
+            del rrefs, frames
+            scope.use(args)
+            self.invoke(func, args, kwargs, done)
 
     def invoke(self, func: Any, args: tuple, kwargs: dict, done: Done) -> None:
         try:
@@ -164,7 +173,7 @@ class Callee:
             return
         if exc is None:
             try:
-                frames, forks = rt.caller.dumps(value, src)
+                frames, forks = rt.caller.dumps(value, src, reply=True)
                 self.respond(src, msg_id, [OK, forks], frames, msg)
                 return
             except Exception as e:
@@ -178,7 +187,7 @@ class Callee:
             self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(rec.error, rt.info.name), Fetch)
             return
         try:
-            frames, forks = rt.caller.dumps(rec.value, sf.src)
+            frames, forks = rt.caller.dumps(rec.value, sf.src, reply=True)
         except Exception as e:
             self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, rt.info.name), Fetch)
             return

@@ -132,10 +132,16 @@ class Caller:
         kwargs = {} if kwargs is None else dict(kwargs)
         return self.dumps((func, args, kwargs), dest)
 
-    def dumps(self, obj: Any, dest: int) -> tuple[list[Any], list[Any]]:
-        """Pickle ``obj`` for ``dest``, forking the RRefs inside; undo the forks on failure."""
+    def dumps(self, obj: Any, dest: int, reply: bool = False) -> tuple[list[Any], list[Any]]:
+        """Pickle ``obj`` for ``dest``, forking the RRefs inside; undo the forks on failure.
+        Tensors take the device plan's request route (our map to ``dest``) or, for a reply
+        (``reply=True``: a call's result, a fetched value), the inverse of ``dest``'s map to
+        us (NOTE [Device maps] in rrefrt/devices.py)."""
+        rt = self.rt
+        plan, peer = rt.devices, rt.workers_by_id[dest].name
+        route = None if plan is None else (plan.reply_route(peer) if reply else plan.request_route(peer))
         try:
-            return ser.dumps(obj, lambda r: self.fork(r, dest), self.rt.device_map(dest))
+            return ser.dumps(obj, lambda r: self.fork(r, dest), route=route)
         except Exception as e:
             self.abort_forks(getattr(e, "forks", []))
             raise

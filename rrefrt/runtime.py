@@ -114,6 +114,9 @@ class Runtime:
         self.closed = False
         #: (rendezvous, world_size) of the group, set by init_rpc (None in unit tests)
         self.group: Any = None
+        #: the validated device plan (routes per peer, the call scope), set by init_rpc after
+        #: the rendezvous; None until then (and in unit tests: CPU tensors, no maps)
+        self.devices: Any = None
         self.lifecycle = Lifecycle(self)
         self.control = ControlLoop(self)
         self.creation = CreationTracker(self)
@@ -168,8 +171,6 @@ class Runtime:
             return self.options.rpc_timeout
         return float(timeout)
 
-    def device_map(self, dest: int) -> dict[str, str] | None:
-        return self.options.device_maps.get(self.workers_by_id[dest].name)
 
     def is_local(self, peer: int) -> bool:
         """Whether ``peer`` runs on this host (the transport decides; False if it cannot say)."""

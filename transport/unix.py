@@ -61,12 +61,23 @@ _SEND_FLAGS = socket.MSG_NOSIGNAL
 _WAIT = 0.05  #: slice of a blocked sender's wait, between checks that the peer is still alive
 
 
+def _answered(meta: Any, frames: Sequence[Any], err: Any) -> None:
+    """``on_done`` of a request already answered (see ``_Pending.finish``)."""
+
+
 @dataclass
 class _Pending:
     dest: int
     deadline: float | None
     timeout: float
     on_done: OnDone
+
+    def finish(self, meta: Any, frames: Sequence[Any], err: Any) -> None:
+        """Run ``on_done`` once and drop it: the deadline's timer entry keeps this object until
+        the deadline, and must not keep the runtime's future (and what its result or error
+        references, RRefs included) alive that long."""
+        cb, self.on_done = self.on_done, _answered
+        cb(meta, frames, err)
 
 
 @dataclass(eq=False)
@@ -473,7 +484,7 @@ class UnixTransport(Loop):
         if table.get(msg_id) is p:
             del table[msg_id]
             self.stats["requests_timed_out"] += 1
-            p.on_done(None, (), RequestTimeout(self.peer_name(p.dest), p.timeout))
+            p.finish(None, (), RequestTimeout(self.peer_name(p.dest), p.timeout))
 
 
 def _factory(config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> UnixTransport:

@@ -216,7 +216,7 @@ class Loop:
                 self.stats["late_responses_dropped"] += 1
                 return
             try:
-                p.on_done(meta, frames, None)
+                p.finish(meta, frames, None)
             except Exception:
                 log.exception("on_done failed")
         elif kind == wire.PING:
@@ -313,7 +313,7 @@ class Loop:
         err = PeerUnavailable(peer.spec.name, cause)
         pending, peer.pending = peer.pending, {}
         for p in pending.values():
-            self._guard(lambda p=p: p.on_done(None, (), err))
+            self._guard(lambda p=p: p.finish(None, (), err))
         self._guard(lambda: self._on_peer_dead(peer.spec.id, cause))
 
     # ------------------------------------------------------------------ close
@@ -344,7 +344,7 @@ class Loop:
             for msg_id in list(table):
                 p = table.pop(msg_id, None)
                 if p is not None:
-                    self._guard(lambda p=p: p.on_done(None, (), err))
+                    self._guard(lambda p=p: p.finish(None, (), err))
 
     def _shutdown(self: Any) -> None:
         self._closing = True
