@@ -18,6 +18,7 @@ from typing import Any, Callable
 import transport
 
 from . import serialization, state
+from .autograd import _hooks as _autograd
 from .errors import AuthenticationError, RpcError, RRefLeakError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
@@ -178,16 +179,22 @@ def _check_devices(options: RpcBackendOptions) -> None:
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
     """Call ``func(*args, **kwargs)`` on worker ``to`` and return its result."""
+    if _autograd.active():  # inside a distributed autograd context: record the call
+        return _autograd.traced_call("rpc_sync", state.current().rpc_sync, to, func, args, kwargs, timeout)
     return state.current().rpc_sync(to, func, args, kwargs, timeout)
 
 
 def rpc_async(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Future[Any]:
     """Like rpc_sync, returning a Future at once."""
+    if _autograd.active():  # inside a distributed autograd context: record the call
+        return _autograd.traced_call("rpc_async", state.current().rpc_async, to, func, args, kwargs, timeout)
     return state.current().rpc_async(to, func, args, kwargs, timeout)
 
 
 def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> RRef[Any]:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``."""
+    if _autograd.active():  # inside a distributed autograd context: record the call
+        return _autograd.traced_call("remote", state.current().remote, to, func, args, kwargs, timeout)
     return state.current().remote(to, func, args, kwargs, timeout)
 
 

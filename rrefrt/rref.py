@@ -17,6 +17,7 @@ import time
 from typing import Any, Generic, TypeVar
 
 from . import state
+from .autograd import _hooks as _autograd
 from .errors import OwnerDiedError, RpcError, RpcTimeoutError, ShutdownError, fresh
 from .futures import Future
 from .rref_context import OwnerRecord, UserRecord
@@ -180,6 +181,8 @@ class _Proxy:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             fn = getattr(rref._rt, how)
+            if _autograd.active():  # inside a distributed autograd context: record the call
+                return _autograd.traced_call(how, fn, rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
             return fn(rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
 
         return call
