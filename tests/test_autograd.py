@@ -218,3 +218,62 @@ def test_death_during_backward_is_a_typed_error_within_bounds(workers: Workers):
     assert "w2" in res["message"], res
     assert res["took"] < 1.5 + 5.0, res
     assert res["contexts_left_here"] == 0 and res["contexts_left_w1"] == 0, res
+
+
+# ------------------------------------------------------------------ DistributedOptimizer
+@pytest.mark.parametrize("optim_cls, kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 0.05})], ids=["sgd", "adam"])
+def test_distributed_optimizer_steps_equal_the_local_optimizer(mods, optim_cls, kw):
+    from rrefrt.optim import DistributedOptimizer
+
+    a, b, la, lb = mods
+    w = torch.nn.Parameter(torch.full((4,), 0.3, dtype=torch.float64))  # a parameter on w0 too
+    params = rrefrt.rpc_sync("w1", fns.param_rrefs, args=(a,)) + rrefrt.rpc_sync("w2", fns.param_rrefs, args=(b,))
+    params.append(rrefrt.RRef(w))
+    opt = DistributedOptimizer(optim_cls, params, **kw)
+    wl = torch.nn.Parameter(w.detach().clone())
+    local = optim_cls(list(la.parameters()) + list(lb.parameters()) + [wl], **kw)
+    for step in range(3):
+        x = _x(10 + step).detach()
+        with dist_autograd.context() as cid:
+            loss = _fwd(b, _fwd(a, x * w)).pow(2).sum()
+            dist_autograd.backward(cid, [loss])
+            opt.step(cid)
+        local.zero_grad()
+        lb(la(x * wl)).pow(2).sum().backward()
+        local.step()
+    got = rrefrt.rpc_sync("w1", fns.param_values, args=(a,)) + rrefrt.rpc_sync("w2", fns.param_values, args=(b,)) + [w.detach()]
+    _assert_close(got, [p.detach() for p in list(la.parameters()) + list(lb.parameters())] + [wl.detach()])
+
+
+# ------------------------------------------------------------------ RemoteModule
+def test_remote_module_forward_backward_and_optimizer(cluster):
+    from rrefrt.nn import RemoteModule
+    from rrefrt.optim import DistributedOptimizer
+
+    rm = RemoteModule("w1/cpu", Layer, args=(5,), kwargs={"n_out": 2})
+    rm2 = RemoteModule("rank:2", torch.nn.Linear, args=(2, 1), kwargs={"dtype": torch.float64})
+    assert rm.get_module_rref().owner_name() == "w1"
+    local, local2 = Layer(5, n_out=2), torch.nn.Linear(2, 1, dtype=torch.float64)
+    with torch.no_grad():
+        for p, q in zip(local2.parameters(), rrefrt.rpc_sync("w2", fns.param_values, args=(rm2.get_module_rref(),))):
+            p.copy_(q)
+    x = _x(20).detach()
+    torch.testing.assert_close(rm(x), local(x).detach())
+    opt = DistributedOptimizer(torch.optim.SGD, rm.remote_parameters() + rm2.remote_parameters(), lr=0.5)
+    with dist_autograd.context() as cid:
+        out = rm2(rm.forward_async(x).wait())
+        loss = out.pow(2).sum()
+        dist_autograd.backward(cid, [loss])
+        g = _remote_grads(rm.get_module_rref(), cid)
+        opt.step(cid)
+    loss_l = local2(local(x)).pow(2).sum()
+    loss_l.backward()
+    _assert_close(g, [p.grad for p in local.parameters()])
+    with torch.no_grad():
+        for p in list(local.parameters()) + list(local2.parameters()):
+            p -= 0.5 * p.grad
+    with dist_autograd.context():
+        torch.testing.assert_close(rm2(rm(x)), local2(local(x)).detach())
+    with pytest.raises(ValueError, match="nn.Module"):
+        RemoteModule("w1/cpu", dict)
+    _no_contexts_anywhere()
