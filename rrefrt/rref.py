@@ -124,6 +124,8 @@ class RRef(Generic[T]):
         if self._owner_rec is not None:
             t = self._rt.options.rpc_timeout if timeout is None or timeout < 0 else timeout
             return self._rt.owner_value(self._owner_rec, t)
+        if _autograd.active():  # inside a distributed autograd context: record the transfer
+            return _autograd.traced_call("rpc_sync", self._rt.rpc_sync, self._owner_id(), _autograd.fetch_value, (self,), None, timeout)
         return self._rt.fetch(self, timeout).result()
 
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:

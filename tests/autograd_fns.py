@@ -128,3 +128,8 @@ def raise_in_forward(x: torch.Tensor, msg: str) -> None:
 def forward_held(rref: rrefrt.RRef, held: rrefrt.RRef) -> torch.Tensor:
     """Apply the module to a value an RRef holds on this same worker."""
     return rref.local_value()(held.local_value())
+
+
+def forward_fetched(rref: rrefrt.RRef, held: rrefrt.RRef) -> torch.Tensor:
+    """Apply the module to the value of an RRef owned elsewhere (fetched with to_here)."""
+    return rref.local_value()(held.to_here())

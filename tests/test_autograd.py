@@ -328,3 +328,21 @@ def test_example_is_a_torch_rpc_program_with_the_same_losses(script, nproc):
     torch_out = _run_example(script, nproc, "torch", 3)
     assert "example: OK" in torch_out, torch_out
     assert _losses(torch_out) == _losses(_run_example(script, nproc, "rrefrt", 3))
+
+
+def test_to_here_inside_a_context_is_recorded(mods):
+    """torch's pipeline pattern: a stage returns an RRef (remote()), the next one fetches it
+    with to_here(); the gradient flows back through the fetch."""
+    a, b, la, lb = mods
+    x = _x(7)
+    with dist_autograd.context() as cid:
+        r = rrefrt.remote("w1", fns.call_method, args=(Layer.forward, a, x))
+        y = rrefrt.rpc_sync("w2", fns.forward_fetched, args=(b, r))
+        h = r.to_here()
+        dist_autograd.backward(cid, [y.sum() + h.sum()])
+        ga, gb, gx = _remote_grads(a, cid), _remote_grads(b, cid), dist_autograd.get_gradients(cid)[x]
+    del r, h
+    xl = x.detach().clone().requires_grad_(True)
+    hl = la(xl)
+    (lb(hl).sum() + hl.sum()).backward()
+    _assert_close(ga + gb + [gx], [p.grad for p in la.parameters()] + [p.grad for p in lb.parameters()] + [xl.grad])

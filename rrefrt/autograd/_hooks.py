@@ -20,7 +20,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
-__all__ = ["active", "current_context_id", "set_current", "suspended", "traced_call", "wrap_call"]
+__all__ = ["active", "current_context_id", "set_current", "suspended", "traced_call", "wrap_call", "fetch_value"]
 
 _tls = threading.local()
 
@@ -79,3 +79,9 @@ def traced_call(how: str, call: Callable[..., Any], to: Any, func: Callable[...,
     if how == "rpc_async":
         return result.then(lambda f: unwrap(f.wait()))
     return unwrap(result)
+
+
+def fetch_value(rref: Any) -> Any:
+    """Runs on an RRef's owner: ``to_here()`` inside a context fetches the value with a
+    recorded call, so tensors of the value that require grad stay connected (as torch)."""
+    return rref.local_value()
