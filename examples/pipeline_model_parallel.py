@@ -45,9 +45,12 @@ class Stage(nn.Module):
 
     def __init__(self, seed, n_in, n_out, last=False):
         super().__init__()
-        torch.manual_seed(seed)
         layers = [nn.Linear(n_in, n_out)] + ([] if last else [nn.ReLU(), nn.Linear(n_out, n_out), nn.ReLU()])
         self.net = nn.Sequential(*layers)
+        g = torch.Generator().manual_seed(seed)  # private: the global RNG may be shared by RPC threads
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
         self._lock = threading.Lock()
 
     def forward(self, x):

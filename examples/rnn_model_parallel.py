@@ -50,11 +50,20 @@ def _parameter_rrefs(module):
 
 
 # ------------------------------------------------------------------ the model
+def _seeded_init(module, seed):
+    """Deterministic initial weights from a private generator (modules may be built on
+    several RPC threads at once, so the global RNG would race)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
 class EmbeddingTable(nn.Module):
     def __init__(self, ntoken, ninp):
         super().__init__()
-        torch.manual_seed(1)
         self.encoder = nn.Embedding(ntoken, ninp)
+        _seeded_init(self, 1)
 
     def forward(self, tokens):
         return self.encoder(tokens)
@@ -63,8 +72,8 @@ class EmbeddingTable(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, ntoken, nhid):
         super().__init__()
-        torch.manual_seed(2)
         self.decoder = nn.Linear(nhid, ntoken)
+        _seeded_init(self, 2)
 
     def forward(self, output):
         return self.decoder(output)
@@ -74,8 +83,8 @@ class RNNModel(nn.Module):
     def __init__(self, ps, ntoken, ninp, nhid, nlayers):
         super().__init__()
         self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp))
-        torch.manual_seed(3)
         self.rnn = nn.LSTM(ninp, nhid, nlayers)
+        _seeded_init(self.rnn, 3)
         self.decoder_rref = rpc.remote(ps, Decoder, args=(ntoken, nhid))
 
     def forward(self, tokens, hidden):

@@ -49,6 +49,57 @@ def _no_contexts_anywhere() -> None:
         poll_for(lambda w=w: rrefrt.rpc_sync(w, fns.context_ids) == [], 10, f"contexts released on {w}")
 
 
+# ------------------------------------------------------------------ examples
+# (first in the file: they load the machine, so they run before the shared cluster starts)
+def _run_example(script: str, nproc: int, backend: str, steps: int) -> str:
+    """Run an example as users do: rrefrt through the launcher; torch by hand (its own
+    store binds MASTER_PORT, which the launcher's store already holds)."""
+    args = [str(ROOT / "examples" / script), "--steps", str(steps), "--backend", backend]
+    if backend == "rrefrt":
+        proc = subprocess.run(
+            [sys.executable, "-m", "rrefrt.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args],
+            cwd=ROOT, env=env_for(), capture_output=True, text=True, timeout=100,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+    port = free_port()
+    procs = Workers()
+    try:
+        for rank in range(nproc):
+            procs.procs.append(subprocess.Popen(
+                [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=env_for({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(nproc)}),
+                start_new_session=True,
+            ))
+        outs = procs.wait_all(100)
+    finally:
+        procs.kill_all()
+    assert all(code == 0 for code, _ in outs), outs
+    return outs[0][1]
+
+
+def _losses(out: str) -> list[str]:
+    return [ln.split("loss ")[-1] for ln in out.splitlines() if "step " in ln and "loss" in ln]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("script, nproc", [("rnn_model_parallel.py", 2), ("pipeline_model_parallel.py", 3)])
+def test_example_trains_on_rrefrt(script, nproc):
+    out = _run_example(script, nproc, "rrefrt", 5)
+    assert "example: OK" in out, out
+    assert len(_losses(out)) == 5
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("script, nproc", [("rnn_model_parallel.py", 2), ("pipeline_model_parallel.py", 3)])
+def test_example_is_a_torch_rpc_program_with_the_same_losses(script, nproc):
+    """The same file on torch.distributed.rpc (imports swapped by --backend) prints the same
+    loss at every step as on rrefrt."""
+    torch_out = _run_example(script, nproc, "torch", 3)
+    assert "example: OK" in torch_out, torch_out
+    assert _losses(torch_out) == _losses(_run_example(script, nproc, "rrefrt", 3))
+
+
 @pytest.fixture
 def mods(cluster):
     """Layer A on w1, layer B on w2, and local copies of both."""
@@ -278,56 +329,6 @@ def test_remote_module_forward_backward_and_optimizer(cluster):
     with pytest.raises(ValueError, match="nn.Module"):
         RemoteModule("w1/cpu", dict)
     _no_contexts_anywhere()
-
-
-# ------------------------------------------------------------------ examples
-def _run_example(script: str, nproc: int, backend: str, steps: int) -> str:
-    """Run an example as users do: rrefrt through the launcher; torch by hand (its own
-    store binds MASTER_PORT, which the launcher's store already holds)."""
-    args = [str(ROOT / "examples" / script), "--steps", str(steps), "--backend", backend]
-    if backend == "rrefrt":
-        proc = subprocess.run(
-            [sys.executable, "-m", "rrefrt.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args],
-            cwd=ROOT, env=env_for(), capture_output=True, text=True, timeout=100,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc.stdout
-    port = free_port()
-    procs = Workers()
-    try:
-        for rank in range(nproc):
-            procs.procs.append(subprocess.Popen(
-                [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env=env_for({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(nproc)}),
-                start_new_session=True,
-            ))
-        outs = procs.wait_all(100)
-    finally:
-        procs.kill_all()
-    assert all(code == 0 for code, _ in outs), outs
-    return outs[0][1]
-
-
-def _losses(out: str) -> list[str]:
-    return [ln.split("loss ")[-1] for ln in out.splitlines() if "step " in ln and "loss" in ln]
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("script, nproc", [("rnn_model_parallel.py", 2), ("pipeline_model_parallel.py", 3)])
-def test_example_trains_on_rrefrt(script, nproc):
-    out = _run_example(script, nproc, "rrefrt", 5)
-    assert "example: OK" in out, out
-    assert len(_losses(out)) == 5
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("script, nproc", [("rnn_model_parallel.py", 2), ("pipeline_model_parallel.py", 3)])
-def test_example_is_a_torch_rpc_program_with_the_same_losses(script, nproc):
-    """The same file on torch.distributed.rpc (imports swapped by --backend) prints the same
-    loss at every step as on rrefrt."""
-    torch_out = _run_example(script, nproc, "torch", 3)
-    assert "example: OK" in torch_out, torch_out
-    assert _losses(torch_out) == _losses(_run_example(script, nproc, "rrefrt", 3))
 
 
 def test_to_here_inside_a_context_is_recorded(mods):

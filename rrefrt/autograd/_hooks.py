@@ -22,22 +22,26 @@ from typing import Any, Callable, Iterator
 
 __all__ = ["active", "current_context_id", "set_current", "suspended", "traced_call", "wrap_call", "fetch_value"]
 
-_tls = threading.local()
+class _Local(threading.local):
+    ctx: int | None = None  #: the context id active on this thread (None: no context)
+
+
+_tls = _Local()
 
 
 def current_context_id() -> int | None:
     """The id of the autograd context active on this thread, or None."""
-    return getattr(_tls, "ctx", None)
+    return _tls.ctx
 
 
 def active() -> bool:
     """True when calls made on this thread must carry an autograd context (cheap)."""
-    return getattr(_tls, "ctx", None) is not None
+    return _tls.ctx is not None
 
 
 def set_current(context_id: int | None) -> int | None:
     """Make ``context_id`` this thread's context; return the previous one."""
-    prev = getattr(_tls, "ctx", None)
+    prev = _tls.ctx
     _tls.ctx = context_id
     return prev
 
