@@ -161,6 +161,8 @@ def test_worker_used_twice_and_several_roots(mods):
     w = torch.nn.Parameter(torch.full((4,), 0.5, dtype=torch.float64))
     with dist_autograd.context() as cid:
         h = _fwd(a, x * w)
+        assert h.grad_fn is not None  # received tensors are not leaves (as torch's)
+        h.mul_(1.0)  # so in-place operations on them are allowed
         k = _fwd(a, _fwd(b, h))
         dist_autograd.backward(cid, [k.sum(), (h * h).mean()])
         grads = dist_autograd.get_gradients(cid)

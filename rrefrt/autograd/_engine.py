@@ -138,11 +138,13 @@ def _send_out(ctx: AutogradContext, obj: Any, peer: int) -> Any:
 
 
 def _receive(ctx: AutogradContext, obj: Any, peer: int) -> Any:
-    """Turn each ``_Edge`` from ``peer`` into a leaf recorded as a receive edge."""
+    """Turn each ``_Edge`` from ``peer`` into a leaf recorded as a receive edge; the program
+    gets a non-leaf copy of it (as torch's, its received tensors have a grad_fn, so in-place
+    operations on them are allowed)."""
     if isinstance(obj, _Edge):
         leaf = obj.tensor.detach().requires_grad_(True)
         ctx.add_recv(leaf, peer, obj.edge_id)
-        return leaf
+        return leaf.clone()
     return obj
 
 
