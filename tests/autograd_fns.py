@@ -133,3 +133,10 @@ def forward_held(rref: rrefrt.RRef, held: rrefrt.RRef) -> torch.Tensor:
 def forward_fetched(rref: rrefrt.RRef, held: rrefrt.RRef) -> torch.Tensor:
     """Apply the module to the value of an RRef owned elsewhere (fetched with to_here)."""
     return rref.local_value()(held.to_here())
+
+
+@rrefrt.functions.async_execution
+def async_forward(rref: rrefrt.RRef, x: torch.Tensor) -> Any:
+    """@async_execution inside a context: the nested call is recorded, and so is the result
+    of the Future this returns."""
+    return rrefrt.rpc_async(rref.owner(), call_method, args=(Layer.forward, rref, x * 2.0)).then(lambda f: f.wait() + x)

@@ -214,6 +214,18 @@ def test_remote_records_arguments(mods):
     _assert_close(ga + [gx], [p.grad for p in la.parameters()] + [xl.grad])
 
 
+def test_async_execution_function_inside_a_context(mods):
+    a, b, la, lb = mods
+    x = _x(8)
+    with dist_autograd.context() as cid:
+        y = rrefrt.rpc_sync("w1", fns.async_forward, args=(b, x))
+        dist_autograd.backward(cid, [y.pow(2).sum()])
+        gb, gx = _remote_grads(b, cid), dist_autograd.get_gradients(cid)[x]
+    xl = x.detach().clone().requires_grad_(True)
+    (lb(xl * 2.0) + xl).pow(2).sum().backward()
+    _assert_close(gb + [gx], [p.grad for p in lb.parameters()] + [xl.grad])
+
+
 def test_gradients_accumulate_over_two_backwards_and_contexts_are_separate(mods):
     a, b, la, lb = mods
     x = _x(6)
@@ -349,3 +361,42 @@ def test_to_here_inside_a_context_is_recorded(mods):
     hl = la(xl)
     (lb(hl).sum() + hl.sum()).backward()
     _assert_close(ga + gb + [gx], [p.grad for p in la.parameters()] + [p.grad for p in lb.parameters()] + [xl.grad])
+
+
+# ------------------------------------------------------------------ unit tests (no processes)
+def test_registry_rules_unit():
+    from collections import namedtuple
+
+    from rrefrt.autograd._context import AutogradContextError, Registry
+    from rrefrt.autograd._engine import _leaves, _map
+
+    reg = Registry(worker_id=3)
+    cid = reg.new_context_id()
+    ctx = reg.create(cid)
+    assert ctx.initiator == 3 and reg.get_or_create(cid) is ctx and reg.ids() == [cid]
+    with pytest.raises(AutogradContextError):
+        reg.create(cid)
+    leaf = torch.ones(2, requires_grad=True)
+    ctx.add_recv(leaf, peer=1, edge_id=reg.new_edge_id())
+    assert ctx.recv_edge(leaf).peer == 1 and ctx.recv_edge(torch.ones(2, requires_grad=True)) is None
+    ctx.accumulate(leaf, torch.ones(2))
+    ctx.accumulate(leaf, torch.ones(2))
+    assert torch.equal(ctx.gradients()[leaf], torch.full((2,), 2.0))
+    reg.validate()
+    with pytest.raises(AutogradContextError, match="no send edge"):
+        ctx.send_tensor(99, "w3")
+    assert reg.pop(cid) is ctx and reg.get(cid) is None and reg.pop(cid) is None
+
+    P = namedtuple("P", "a b")
+    t = torch.zeros(1)
+    data = [1, (t, {"k": P(t, 2)})]
+    out = _map(data, lambda o: "T" if o is t else o)
+    assert out == [1, ("T", {"k": P("T", 2)})] and type(out[1][1]["k"]) is P
+    same = [1, (2, {"k": 3})]
+    assert _map(same, lambda o: o) is same
+
+    w = torch.nn.Parameter(torch.ones(3))
+    h = w * 2
+    diamond = (h * h + h.exp()).sum()  # w reached along several paths: listed once
+    assert [id(x) for x in _leaves([diamond])] == [id(w)]
+    assert _leaves([w]) == [w]

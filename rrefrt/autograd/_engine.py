@@ -38,6 +38,7 @@ timeout, for that tree to answer; failures (a dead peer) are logged, not raised.
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import logging
 import threading
@@ -103,11 +104,23 @@ class _Traced:
         if not self.wrap_result:
             return result
         src = self.src
-        if self._rrefrt_async_execution and hasattr(result, "then"):
-            return result.then(lambda f: _send_out(ctx, f.wait(), src))
+        if self._rrefrt_async_execution:
+            if hasattr(result, "then"):  # rrefrt's or torch's Future
+                return result.then(lambda f: _send_out(ctx, f.wait(), src))
+            if isinstance(result, concurrent.futures.Future):
+                out: Future[Any] = Future()
+                result.add_done_callback(lambda f: _complete(out, lambda: _send_out(ctx, f.result(), src)))
+                return out
         if inspect.iscoroutine(result):
             return _after(result, lambda v: _send_out(ctx, v, src))
         return _send_out(ctx, result, src)
+
+
+def _complete(fut: Future[Any], fn: Callable[[], Any]) -> None:
+    try:
+        fut.set_result(fn())
+    except BaseException as e:
+        fut.set_exception(e)
 
 
 async def _after(coro: Any, fn: Callable[[Any], Any]) -> Any:
