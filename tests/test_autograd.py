@@ -386,6 +386,8 @@ def test_registry_rules_unit():
     with pytest.raises(AutogradContextError, match="no send edge"):
         ctx.send_tensor(99, "w3")
     assert reg.pop(cid) is ctx and reg.get(cid) is None and reg.pop(cid) is None
+    with pytest.raises(AutogradContextError, match="already released"):
+        reg.get_or_create(cid)  # a late call does not bring a released context back
 
     P = namedtuple("P", "a b")
     t = torch.zeros(1)

@@ -12,7 +12,9 @@ Rule 1: a context id is ``(worker id << 48) | n``: unique in the group without
 coordination; the worker that opened it (its *initiator*) is ``id >> 48``.
 Rule 2: a context exists on a worker from the first call that carries it (or its
 ``with context()``) until a release for it arrives (or the block exits); it is never
-recreated by a gradient message - only a forward call or ``context()`` creates one.
+recreated by a gradient message - only a forward call or ``context()`` creates one - nor
+by a forward call that arrives after its release (the last ``_TOMBSTONES`` released ids
+are remembered; such a call fails with AutogradContextError instead of leaking a context).
 Rule 3: a send edge ``e`` of context ``c`` on worker ``w`` is a tensor ``w`` sent (as a call
 argument or result) that required grad; its id is unique on ``w``. The tensor, and so its
 autograd graph, stays alive until ``c`` is released on ``w``.
@@ -30,6 +32,7 @@ destructor runs under it (a released context is popped under the lock and droppe
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import weakref
@@ -44,6 +47,7 @@ from ..errors import RpcError
 __all__ = ["AutogradContext", "AutogradContextError", "Registry", "registry", "RecvEdge"]
 
 _CTX_BITS = 48
+_TOMBSTONES = 4096
 
 
 class AutogradContextError(RpcError):
@@ -132,6 +136,8 @@ class Registry:
         self._lock = threading.Lock()
         #: context id -> context, from its creation (Rule 2) until its release
         self._contexts: dict[int, AutogradContext] = {}
+        #: ids of recently released contexts, oldest first (Rule 2); at most _TOMBSTONES
+        self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._next_ctx = itertools.count(1)
         self._next_edge = itertools.count(1)
 
@@ -152,6 +158,11 @@ class Registry:
         with self._lock:
             ctx = self._contexts.get(context_id)
             if ctx is None:
+                if context_id in self._released:
+                    raise AutogradContextError(
+                        f"autograd context {context_id} was already released on worker {self.worker_id}: "
+                        "a call made inside it arrived after its `with context()` block ended"
+                    )
                 ctx = self._contexts[context_id] = AutogradContext(context_id)
             return ctx
 
@@ -162,6 +173,9 @@ class Registry:
     def pop(self, context_id: int) -> AutogradContext | None:
         """Remove a context; the caller drops it after this returns (Rule 7)."""
         with self._lock:
+            self._released[context_id] = None
+            while len(self._released) > _TOMBSTONES:
+                self._released.popitem(last=False)
             return self._contexts.pop(context_id, None)
 
     def ids(self) -> list[int]:
