@@ -226,6 +226,32 @@ def test_async_execution_function_inside_a_context(mods):
     _assert_close(gb + [gx], [p.grad for p in lb.parameters()] + [xl.grad])
 
 
+def test_concurrent_contexts_on_two_threads(mods):
+    """Contexts are per thread: two threads train at once, each sees only its own gradients."""
+    import threading
+
+    a, b, la, lb = mods
+    results: dict[int, list] = {}
+
+    def train(seed: int) -> None:
+        x = _x(seed)
+        with dist_autograd.context() as cid:
+            loss = _fwd(b, _fwd(a, x)).sum() * seed
+            dist_autograd.backward(cid, [loss])
+            results[seed] = _remote_grads(a, cid) + [dist_autograd.get_gradients(cid)[x]]
+
+    threads = [threading.Thread(target=train, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for seed in (1, 2):
+        la.zero_grad()
+        xl = _x(seed).detach().requires_grad_(True)
+        (lb(la(xl)).sum() * seed).backward()
+        _assert_close(results[seed], [p.grad for p in la.parameters()] + [xl.grad])
+
+
 def test_gradients_accumulate_over_two_backwards_and_contexts_are_separate(mods):
     a, b, la, lb = mods
     x = _x(6)
