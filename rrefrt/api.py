@@ -17,8 +17,9 @@ from typing import Any, Callable
 import transport
 
 from . import serialization, state
-from .errors import AuthenticationError, RpcError, ShutdownError
+from .autograd import _hooks as _autograd
 from .devices import DeviceInfo, DevicePlan
+from .errors import AuthenticationError, RpcError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
 from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, resolve
@@ -171,16 +172,22 @@ def warn_unauthenticated(bind_address: str) -> bool:
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
     """Call ``func(*args, **kwargs)`` on worker ``to`` and return its result."""
+    if _autograd.active():  # inside a distributed autograd context: record the call
+        return _autograd.traced_call("rpc_sync", state.current().rpc_sync, to, func, args, kwargs, timeout)
     return state.current().rpc_sync(to, func, args, kwargs, timeout)
 
 
 def rpc_async(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Future[Any]:
     """Like rpc_sync, returning a Future at once."""
+    if _autograd.active():  # inside a distributed autograd context: record the call
+        return _autograd.traced_call("rpc_async", state.current().rpc_async, to, func, args, kwargs, timeout)
     return state.current().rpc_async(to, func, args, kwargs, timeout)
 
 
 def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> RRef[Any]:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``."""
+    if _autograd.active():  # inside a distributed autograd context: record the call
+        return _autograd.traced_call("remote", state.current().remote, to, func, args, kwargs, timeout)
     return state.current().remote(to, func, args, kwargs, timeout)
 
 

@@ -26,6 +26,7 @@ import time
 from typing import Any, Generic, Sequence, TypeVar
 
 from . import state
+from .autograd import _hooks as _autograd
 from .errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
 from .functions import is_async_execution, is_future, wrong_return_type
 from .futures import Future
@@ -143,6 +144,8 @@ class RRef(Generic[T]):
         if self._owner_rec is not None:
             t = self._rt.options.rpc_timeout if timeout is None or timeout < 0 else timeout
             return self._rt.owner_value(self._owner_rec, t)
+        if _autograd.active():  # inside a distributed autograd context: record the transfer
+            return _autograd.traced_call("rpc_sync", self._rt.rpc_sync, self._owner_id(), _autograd.fetch_value, (self,), None, timeout)
         return self._rt.fetch(self, timeout).result()
 
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:
@@ -329,6 +332,8 @@ class _Proxy:
             if how == "remote":  # an RRef comes back at once: check the method exists first
                 _check_method(rref, name, timeout)
             fn = getattr(rref._rt, how)
+            if _autograd.active():  # inside a distributed autograd context: record the call
+                return _autograd.traced_call(how, fn, rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
             return fn(rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
 
         return call
