@@ -32,12 +32,19 @@ from tests.torch_compat import alias  # noqa: E402
 alias.install()
 
 import rrefrt  # noqa: E402
+import torch.multiprocessing  # noqa: E402
 from torch.testing._internal.distributed.rpc import rpc_test  # noqa: E402
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import (  # noqa: E402
     RpcAgentTestFixture,
 )
 from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
 from torch.testing._internal.common_utils import find_free_port  # noqa: E402
+
+
+#: How the 4 workers of a test start: "fork" (default; the parent has already imported torch,
+#: the suite and the alias, so a test starts in about a second instead of re-importing
+#: torch four times) or "spawn" (what torch's own harness uses; set RREFRT_COMPAT_START).
+START_METHOD = os.environ.get("RREFRT_COMPAT_START", "fork")
 
 
 class SpawnHelper(MultiProcessTestCase):
@@ -48,7 +55,10 @@ class SpawnHelper(MultiProcessTestCase):
         super().setUp()
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(find_free_port())
-        self._spawn_processes()
+        if START_METHOD == "fork":
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
 
     def tearDown(self) -> None:
         os.environ.pop("MASTER_ADDR", None)
