@@ -22,28 +22,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slice", default=":", help="start:stop over the sorted test names")
     p.add_argument("-k", default="", help="only names containing this substring")
     p.add_argument("--out", required=True)
+    p.add_argument("--names", default="", help="comma-separated Class.test list (overrides --cls/-k/--slice)")
     p.add_argument("--list", action="store_true", help="print the test names and exit")
     args = p.parse_args(argv)
 
     from tests.torch_compat import suite
 
-    cls = suite.CLASSES[args.cls]
-    names = [n for n in suite.test_names(cls) if args.k in n]
+    if args.names:
+        todo = [tuple(n.split(".", 1)) for n in args.names.split(",") if n]
+    else:
+        names = [n for n in suite.test_names(suite.CLASSES[args.cls]) if args.k in n]
+        start, _, stop = args.slice.partition(":")
+        todo = [(args.cls, n) for n in names[int(start) if start else None : int(stop) if stop else None]]
     if args.list:
-        print("\n".join(names))
+        print("\n".join(f"{c}.{n}" for c, n in todo))
         return 0
-    start, _, stop = args.slice.partition(":")
-    names = names[int(start) if start else None : int(stop) if stop else None]
     out = Path(args.out)
     done = set()
     if out.exists():
-        done = {json.loads(line)["test"] for line in out.read_text().splitlines() if line.strip()}
-    for name in names:
-        if name in done:
+        done = {(r["cls"], r["test"]) for r in map(json.loads, out.read_text().splitlines()) if r}
+    for cls_name, name in todo:
+        if (cls_name, name) in done:
             continue
-        o = suite.run_case(cls, name)
-        rec = {"cls": args.cls, "test": name, "status": o.status, "seconds": round(o.seconds, 1),
-               "detail": o.detail[-3000:]}
+        o = suite.run_case(suite.CLASSES[cls_name], name)
+        rec = {"cls": cls_name, "test": name, "status": o.status, "seconds": round(o.seconds, 1),
+               "detail": o.detail if len(o.detail) < 12000 else o.detail[:8000] + "\n...\n" + o.detail[-4000:]}
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{o.status:5s} {o.seconds:6.1f}s {name}", flush=True)
