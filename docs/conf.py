@@ -42,8 +42,6 @@ myst_enable_extensions = ["colon_fence", "deflist"]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": True}
-# torch and numpy are optional at import time; never let autodoc import them.
-autodoc_mock_imports: list[str] = []
 
 html_theme = "alabaster"
 html_title = f"rrefrt {release}"

@@ -4,9 +4,10 @@ Importing this module installs the alias (tests/torch_compat/alias.py) and then 
 ``torch.testing._internal.distributed.rpc.rpc_test`` from the installed torch (nothing is
 copied). It builds the two test classes the way torch's ``rpc_utils.generate_tests`` does:
 the generic suite, an agent fixture, and ``SpawnHelper`` (torch's ``MultiProcessTestCase``:
-each test method runs in 4 freshly spawned processes). The classes live here, at module
-level, because the spawned workers find their class by ``__module__`` and import this
-module - which installs the alias in them before the suite is imported.
+each test method runs in 4 fresh worker processes, forked by default - see START_METHOD).
+The classes live here, at module level, because spawned workers find their class by
+``__module__`` and import this module - which installs the alias in them before the suite
+is imported; forked workers inherit the alias.
 
 The fixture is ours: rrefrt's options and backend, rendezvous over ``tcp://`` (torch's
 harness sets ``RPC_INIT_WITH_TCP=1`` for that), and a timeout regex that accepts rrefrt's
