@@ -6,8 +6,8 @@ public names at rrefrt, tests/torch_compat/suite.py builds the test classes with
 agent fixture (world size 4, CPU, tcp:// rendezvous, no distributed autograd), and every
 test method runs in 4 worker processes as in torch's harness.
 
-What runs here (CI: about 18 s on 2 idle cores): ``CI_PASSING``, a chosen set of tests that pass
-today, and ``CI_EXPECTED_TO_DIFFER``, a few tests of causes other engineers are fixing, as
+What runs here (CI: about 18 s on 2 idle cores): ``CI_PASSING``, a chosen set of tests
+that pass today, and ``CI_EXPECTED_TO_DIFFER``, a few tests of causes other engineers are fixing, as
 non-strict xfails with their reason - when a fix lands they XPASS, and the entry moves to
 CI_PASSING. All of it runs in one subprocess (a clean parent to fork the workers from),
 started once per module. ``RREFRT_COMPAT_FULL=1`` runs every test of both classes instead
@@ -56,7 +56,8 @@ def _params() -> list:
     for name in names:
         if name in EXPECTED_TO_DIFFER:
             cause, reason = EXPECTED_TO_DIFFER[name]
-            params.append(pytest.param(name, id=name, marks=pytest.mark.xfail(strict=False, reason=f"{cause}: {reason}")))
+            mark = pytest.mark.xfail(strict=False, reason=f"{cause}: {reason}")
+            params.append(pytest.param(name, id=name, marks=mark))
         else:
             params.append(pytest.param(name, id=name))
     return params
