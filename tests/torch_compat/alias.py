@@ -1,0 +1,68 @@
+"""The module alias that points torch's own RPC tests at rrefrt.
+
+``install()`` replaces the *public* names of ``torch.distributed.rpc`` (the ones a torch RPC
+program uses: ``init_rpc``, ``rpc_sync``, ``RRef``, ``functions.async_execution``, ...) with
+rrefrt's, in the running process. It must run before ``rpc_test`` (or anything that does
+``from torch.distributed.rpc import RRef``) is imported; ``tests.torch_compat.suite`` calls it
+at import, and the worker processes that torch's ``MultiProcessTestCase`` spawns import that
+module to unpickle their test class, so they are aliased too.
+
+What the alias does not cover, on purpose: torch's private helpers (``rpc.api._...``,
+``rpc._get_current_rpc_agent``, ``rpc.internal``), the TensorPipe agent, distributed autograd
+and the profiler. Tests that reach for those keep talking to torch's own (uninitialised) RPC
+runtime and are listed in docs/compatibility.md as expected to differ.
+
+One private helper is adapted rather than left alone: ``_rref_context_get_debug_info``. The
+test harness itself (``torch.testing._internal.dist_utils``) polls it to wait for the RRef
+protocol to settle; rrefrt has the same counters under ``rrefrt.get_debug_info()``, so the
+alias returns them in torch's shape (string values, ``num_pending_futures`` included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: ``torch.distributed.rpc`` name -> ``rrefrt`` name.
+PUBLIC_NAMES: dict[str, str] = {
+    "init_rpc": "init_rpc",
+    "shutdown": "shutdown",
+    "rpc_sync": "rpc_sync",
+    "rpc_async": "rpc_async",
+    "remote": "remote",
+    "get_worker_info": "get_worker_info",
+    "get_rpc_timeout": "get_rpc_timeout",
+    "RRef": "RRef",
+    "WorkerInfo": "WorkerInfo",
+    "BackendType": "BackendType",
+    "RpcBackendOptions": "RpcBackendOptions",
+    "TensorPipeRpcBackendOptions": "TensorPipeRpcBackendOptions",
+    "functions": "functions",
+}
+
+_installed = False
+
+
+def rref_context_debug_info() -> dict[str, str]:
+    """rrefrt's RRef-context counters in the shape of torch's ``_rref_context_get_debug_info``."""
+    import rrefrt
+
+    info: dict[str, Any] = dict(rrefrt.get_debug_info())
+    out = {k: str(v) for k, v in info.items() if isinstance(v, (int, float, str))}
+    for key in ("num_owner_rrefs", "num_forks", "num_pending_users", "num_pending_futures"):
+        out.setdefault(key, "0")
+    return out
+
+
+def install() -> None:
+    """Alias ``torch.distributed.rpc``'s public names to rrefrt's in this process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import torch.distributed.rpc as trpc
+
+    import rrefrt
+
+    for torch_name, ours in PUBLIC_NAMES.items():
+        setattr(trpc, torch_name, getattr(rrefrt, ours))
+    trpc._rref_context_get_debug_info = rref_context_debug_info  # type: ignore[attr-defined]
+    _installed = True
