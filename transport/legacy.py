@@ -60,6 +60,11 @@ class Agent(ZmqTransport):
         )
         super().__init__(config, on_message, on_peer_dead)
 
+    @property
+    def _outbox_lock(self) -> Any:
+        """The data loop's outbox lock (tests/failure_scenarios.py forks while it is held)."""
+        return self._loop._lock
+
     def bind(self, endpoint: str) -> str:
         """Bind before start(); returns an opaque address to publish (see the docstring)."""
         if endpoint.startswith("ipc://"):
