@@ -204,7 +204,7 @@ def fork_checks(spec: dict) -> dict:
     held, api_held, release = threading.Event(), threading.Event(), threading.Event()
 
     def hold_locks() -> None:  # runs on the I/O thread
-        with rt.ctx._lock, rt.agent._outbox_lock:
+        with rt.ctx._lock, rt.agent._loop._lock:  # the zmq data loop's outbox lock
             held.set()
             release.wait(2.0)
 

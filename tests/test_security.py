@@ -180,7 +180,7 @@ def pair(w1_options: dict[str, Any], w1_env: dict[str, str] | None = None, **w0_
 def agent_facts() -> dict[str, Any]:
     """Runs on a worker: what its transport knows (endpoints, counters, whether CURVE is on)."""
     agent = rrefrt.state.current().agent
-    return {"endpoints": list(agent.endpoints), "stats": dict(agent.stats), "curve": agent.options.auth is not None}
+    return {"endpoints": list(agent.endpoints), "stats": dict(agent.stats), "curve": agent._auth is not None}
 
 
 # ---------------------------------------------------------------------------- keys and ZAP
@@ -337,7 +337,7 @@ class TestSameSecret:
         assert torch.equal(rrefrt.rpc_sync("w1", fns.identity, args=(big,)), big)
         assert rrefrt.rpc_sync("w1", fns.call_back, args=("w0", 2, 3)) == 5  # and the other way round
         facts = rrefrt.rpc_sync("w1", agent_facts)
-        assert facts["curve"] and rrefrt.state.current().agent.options.auth is not None
+        assert facts["curve"] and rrefrt.state.current().agent._auth is not None
         assert facts["stats"]["zap_admitted"] >= 1 and facts["stats"].get("zap_denied", 0) == 0
         print(f"\nCURVE rpc_sync round trip: {per_call * 1e6:.0f} us (mean of 20, first calls)")
 

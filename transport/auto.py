@@ -16,7 +16,12 @@ Rules:
    ``extra["same_host"]=False`` or the environment variable ``RREFRT_SAME_HOST=0`` publish
    no unix endpoint, which turns the same-host path off for every pair involving us.
 3. Liveness: a peer is dead as soon as either transport says so (the unix one sees a killed
-   process at once, by EOF); ``on_peer_dead`` is reported once per peer.
+   process at once, by EOF); ``on_peer_dead`` is reported once per peer, and the unix path
+   fences a peer the inner transport declared dead. Silence is judged by the inner
+   transport alone: zmq's echo is answered by libzmq without the GIL, so a handler that holds
+   the GIL or deadlocks is not taken for a death (found 2026-11-30: the unix transport's
+   Python-level pings declared such a worker dead after heartbeat_timeout), while a stopped
+   or partitioned process falls silent on both.
 4. If the unix join fails for a reason other than authentication (the socket path is not
    reachable from the peer, e.g. another mount namespace), the whole group falls back to the
    inner transport for this worker after logging why; an authentication failure fails the
@@ -64,6 +69,8 @@ class AutoTransport:
         self.local: UnixTransport | None = (
             UnixTransport(config, on_message, self._died) if same_host_enabled(config) else None
         )
+        if self.local is not None:  # Rule 3: silence is judged by the inner transport's echo
+            self.local.judge_silence = False
         self._local_ids: frozenset[int] = frozenset()
         self._hook: Any = None
 
@@ -129,7 +136,16 @@ class AutoTransport:
             if peer_id in self._dead:
                 return
             self._dead.add(peer_id)
+        if self.local is not None:  # whoever saw it first, both paths fence it
+            self.local.declare_dead(peer_id, cause)
         self._on_peer_dead(peer_id, cause)
+
+    def __getattr__(self, name: str) -> Any:
+        """Introspection of the inner transport (tests read its endpoints, options, stats
+        parts); never used on a hot path."""
+        if name in ("inner", "local"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def is_alive(self, peer_id: int) -> bool:
         return peer_id not in self._dead and self._via(peer_id).is_alive(peer_id) and self.inner.is_alive(peer_id)

@@ -104,6 +104,9 @@ class UnixTransport(Loop):
     """The ``Transport`` of transport/base.py over AF_UNIX streams (module docstring)."""
 
     def __init__(self, config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> None:
+        #: judge peers by silence (no byte for heartbeat_timeout); the composite transport turns
+        #: it off and judges silence with the inner transport (transport/auto.py, Rule 3)
+        self.judge_silence = True
         self.config = config
         self.id, self.name, self.incarnation = config.worker_id, config.name, config.incarnation
         self._on_message, self._on_peer_dead = on_message, on_peer_dead
@@ -291,6 +294,13 @@ class UnixTransport(Loop):
 
     def dead_peers(self) -> set[int]:
         return {i for i, p in list(self._peers.items()) if p.state == "dead"}
+
+    def declare_dead(self, peer_id: int, cause: str) -> None:
+        """Fence ``peer_id`` on another's verdict (the composite transport's inner liveness):
+        its pending requests fail, its segments are reclaimed (on the receiver thread)."""
+        peer = self._peers.get(peer_id)
+        if peer is not None and peer.state != "dead" and not self._closed.is_set():
+            self._call_soon(lambda: self._declare_dead(peer, cause))
 
     def peer_name(self, peer_id: int) -> str:
         peer = self._peers.get(peer_id)

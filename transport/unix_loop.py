@@ -254,6 +254,8 @@ class Loop:
         for peer in list(self._peers.values()):
             if peer.state != "up":
                 continue
+            if not self.judge_silence:  # another transport judges silence (transport/auto.py, Rule 3)
+                continue
             if now - peer.last_rx > cfg.heartbeat_timeout and not self._bytes_waiting(peer):
                 self._declare_dead(
                     peer, f"no byte arrived from it for over {cfg.heartbeat_timeout:.1f}s (stopped or hung)"
