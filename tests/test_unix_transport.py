@@ -38,7 +38,7 @@ def test_round_trip_keeps_meta_and_frame_order() -> None:
 def test_unix_and_auto_implement_the_transport_protocol() -> None:
     from transport.base import Transport
 
-    with group(1, kind="auto", auto_inner="zmq-test") as g:
+    with group(1, kind="auto", auto_inner="zmq") as g:
         assert isinstance(g.t, Transport) and isinstance(g.t.local, Transport)
         assert g.t.is_local(1) and g.t.uses_same_host_path(1)
 
@@ -241,7 +241,7 @@ def test_close_never_hangs_with_a_stopped_peer_and_a_blocked_sender() -> None:
 def test_auto_uses_the_unix_path_on_one_host_unless_turned_off(same_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RREFRT_SAME_HOST", same_host)
     env = {"RREFRT_SAME_HOST": same_host}
-    with group(1, kind="auto", auto_inner="zmq-test", shm_threshold=256 << 10, child_env=env) as g:
+    with group(1, kind="auto", auto_inner="zmq", shm_threshold=256 << 10, child_env=env) as g:
         assert g.join_error is None and g.joined == [{"event": "ready"}]
         big = pattern(2 << 20)
         meta, frames, err = g.call(1, ECHO, "m", [b"x", big])

@@ -16,7 +16,6 @@ import threading
 from typing import Any, Iterator
 
 from tests.support import ROOT, env_for
-from tests.transport_helpers import zmq_adapter  # noqa: F401 - registers "zmq-test"
 from transport import auto  # noqa: F401 - registers "auto"
 from transport.base import PeerAddress, PeerSpec, TransportConfig, create
 

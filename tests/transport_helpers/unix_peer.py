@@ -25,7 +25,6 @@ import time
 from typing import Any, Sequence
 
 from transport import shm
-from tests.transport_helpers import zmq_adapter  # noqa: F401 - registers "zmq-test"
 from transport import auto  # noqa: F401 - registers "auto"
 from transport.base import PeerAddress, PeerSpec, TransportConfig, create
 from transport.unix import UnixTransport
