@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from .base import OnDone, PeerSpec
 
@@ -36,3 +36,13 @@ class Peer:
     pending: dict[int, Pending] = field(default_factory=dict)  #: msg_id -> request awaiting it
     backlog: collections.deque = field(default_factory=collections.deque)  #: frames not yet routable
     hello_due: float = 0.0
+
+
+def snapshot(frames: Sequence[Any]) -> list[Any]:
+    """NOTE [Argument snapshot]: API.md promises that an argument mutated after rpc_async
+    returns reaches the callee unchanged. Frames that alias the caller's memory (memoryviews
+    of tensor storage) are copied here, on the calling thread, before the I/O thread sends
+    them later; ``bytes`` frames are immutable and go as they are (zero-copy for large ones).
+    The same-host transport gives the snapshot for free: its sending thread has written the
+    bytes (to the socket or a shared-memory segment) before it returns."""
+    return [f if isinstance(f, bytes) else bytes(f) for f in frames]

@@ -74,7 +74,7 @@ from .heartbeat import PROBE_S, Heartbeat
 from .hosts import IpcDir, host_id
 from .joinpolicy import JoinPolicy
 from .liveness import LivenessTable, PeerState, Verdict
-from .records import ZERO_COPY_MIN, Pending as _Pending, Peer as _Peer, nbytes as _nbytes
+from .records import ZERO_COPY_MIN, Pending as _Pending, Peer as _Peer, nbytes as _nbytes, snapshot
 from .loop import IOLoop, LoopClosed
 
 log = logging.getLogger("rrefrt.transport")
@@ -82,6 +82,7 @@ log = logging.getLogger("rrefrt.transport")
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 LIVE = "-live"  #: suffix of the heartbeat endpoints in a PeerAddress ("tcp-live", "ipc-live")
 ECHO = "-echo"  #: suffix of the echo endpoints ("tcp-echo", "ipc-echo")
+
 
 
 class ZmqTransport:
@@ -244,7 +245,7 @@ class ZmqTransport:
         self._check_usable(fenced_ok=True)
         self._check_size(dest, frames)
         msg_id = next(self._ids)
-        out = [self._header(kind, msg_id, meta), *frames]
+        out = [self._header(kind, msg_id, meta), *snapshot(frames)]
         pending = _Pending(dest, msg_id, timeout, on_done)
         self._schedule(lambda: self._issue(pending, out, label))
         return msg_id
@@ -253,7 +254,7 @@ class ZmqTransport:
         """Send a one-way message (or a RESPONSE when kind is wire.RESPONSE)."""
         self._check_usable()
         self._check_size(dest, frames)
-        out = [self._header(kind, msg_id, meta), *frames]
+        out = [self._header(kind, msg_id, meta), *snapshot(frames)]
         self._schedule(lambda: self._send_faulty(dest, out, label))
 
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
