@@ -44,6 +44,11 @@ __all__ = [
 #: on the runtime itself, ``rt.group``: no other module state)
 _init_lock = threading.Lock()
 
+#: NOTE [Default transport]: "auto" - AF_UNIX and shared memory between workers of one host,
+#: zmq for the rest (transport/auto.py). RREFRT_TRANSPORT=zmq (or RREFRT_SAME_HOST=0) goes
+#: back to zmq everywhere; any registered transport can be named.
+DEFAULT_TRANSPORT = "auto"
+
 
 def _after_fork_in_child() -> None:
     """NOTE [Fork safety]: a thread of the parent may have held ``_init_lock`` (inside
@@ -94,7 +99,7 @@ def init_rpc(
             max_message_size=options.max_message_size,
             secret=secret.encode() if isinstance(secret, str) else secret,
             world_size=spec.world_size,
-            kind=os.environ.get("RREFRT_TRANSPORT", "auto"),
+            kind=os.environ.get("RREFRT_TRANSPORT", DEFAULT_TRANSPORT),
             extra={"auto_inner": "zmq"},
         )
         # the transport is built from the runtime's callbacks; it chooses its own endpoints

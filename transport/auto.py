@@ -22,6 +22,13 @@ Rules:
    the GIL or deadlocks is not taken for a death (found 2026-11-30: the unix transport's
    Python-level pings declared such a worker dead after heartbeat_timeout), while a stopped
    or partitioned process falls silent on both.
+5. A response goes back on the transport its request came in on, whatever the routing of
+   new requests says at that moment: the two sides finish their joins at different times,
+   so a request may arrive over zmq when the answer would be routed over unix (or the other
+   way), and a response on the other transport matches no pending request and is lost
+   (found 2026-11-30: calls between some pairs timed out right after init). A request that
+   arrived over unix reaches the runtime with ``LOCAL_TAG`` set in its msg_id (the runtime
+   treats msg ids as opaque), and ``respond`` routes by that bit.
 4. If the unix join fails for a reason other than authentication (the socket path is not
    reachable from the peer, e.g. another mount namespace), the whole group falls back to the
    inner transport for this worker after logging why; an authentication failure fails the
@@ -45,6 +52,16 @@ from .unix_admit import host_key
 
 log = logging.getLogger("rrefrt.transport")
 
+#: Rule 5: set in the msg_id of a request that arrived over the same-host path
+LOCAL_TAG = 1 << 62
+
+
+def _tagging(on_message: OnMessage) -> OnMessage:
+    def tagged(src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
+        on_message(src, kind, msg_id | LOCAL_TAG if msg_id else 0, meta, frames)
+
+    return tagged
+
 
 def same_host_enabled(config: TransportConfig) -> bool:
     return (
@@ -67,7 +84,7 @@ class AutoTransport:
             raise ValueError("the inner transport of 'auto' cannot be 'auto'")
         self.inner: Transport = create(dataclasses.replace(config, kind=inner_kind), on_message, self._died)
         self.local: UnixTransport | None = (
-            UnixTransport(config, on_message, self._died) if same_host_enabled(config) else None
+            UnixTransport(config, _tagging(on_message), self._died) if same_host_enabled(config) else None
         )
         if self.local is not None:  # Rule 3: silence is judged by the inner transport's echo
             self.local.judge_silence = False
@@ -125,7 +142,11 @@ class AutoTransport:
         self._via(dest).send(dest, kind, meta, frames, msg_id, label)
 
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
-        self._via(dest).respond(dest, msg_id, meta, frames, label)
+        """Rule 5: the answer goes back on the transport its request came in on."""
+        if msg_id & LOCAL_TAG and self.local is not None:
+            self.local.respond(dest, msg_id & ~LOCAL_TAG, meta, frames, label)
+        else:
+            self.inner.respond(dest, msg_id, meta, frames, label)
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
         (self.local if self.local is not None else self.inner).call_later(delay, fn)
