@@ -201,7 +201,8 @@ def test_a_peer_stopped_past_the_timeout_is_dead_for_all_and_fails_fast_after_it
 # ---------------------------------------------------------------------------- close at scale
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("workers,rounds", [(32, 3), (64, 2)])
+# CI runs one round of each (about 30 s); `python scripts/zmq_close_campaign.py` is the campaign
+@pytest.mark.parametrize("workers,rounds", [(32, 1), (64, 1)])
 def test_many_workers_closing_at_once_never_abort(workers: int, rounds: int) -> None:
     """Issue 11 item 2: libzmq aborted (``Assertion failed: !_io_error``) in Context.term()
     when many peers closed at once (NOTE [Close] in transport.zmqagent)."""
