@@ -287,3 +287,29 @@ def test_socket_file_is_gone_after_the_join() -> None:
         g.children[0].kill()
         assert g.call(1, ECHO, 1, [])[2] is not None
         assert not os.path.exists(os.path.dirname(child_path))
+
+
+def test_a_killed_workers_socket_directory_is_removed_by_the_next_start(tmp_path):
+    """Issue 11 item 10 for the same-host socket: a worker killed during its join leaves its
+    0700 directory behind; the next transport started on the host removes those whose
+    process is gone (named rrefrt-<pid>-<hex>, like the zmq transport's ipc directories)."""
+    import subprocess
+    import sys
+
+    from transport.base import TransportConfig
+    from transport.unix import UnixTransport
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True, timeout=30)
+    stale = tmp_path / f"rrefrt-{int(dead.stdout)}-0badcafe"
+    stale.mkdir(mode=0o700)
+    (stale / "w1.sock").write_text("")
+    t = UnixTransport(TransportConfig(0, "w0", 1, extra={"unix_dir": str(tmp_path)}), lambda *a: None, lambda *a: None)
+    try:
+        t.listen()
+        assert not stale.exists()
+        mine = [p.name for p in tmp_path.iterdir()]
+        assert len(mine) == 1 and mine[0].startswith(f"rrefrt-{os.getpid()}-"), mine
+    finally:
+        t.close(1.0)
+    assert list(tmp_path.iterdir()) == []

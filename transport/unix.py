@@ -40,6 +40,7 @@ import heapq
 import itertools
 import logging
 import os
+import secrets
 import selectors
 import shutil
 import socket
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from . import shm, unix_wire, wire
+from . import hosts
 from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
 from .errors import AgentClosed, AuthenticationFailed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
 from .unix_admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
@@ -144,7 +146,11 @@ class UnixTransport(Loop):
     # ------------------------------------------------------------------ setup
     def listen(self) -> PeerAddress:
         base = self._dir_base or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-        self._dir = tempfile.mkdtemp(prefix=f"rrefrt-{os.getuid()}-", dir=base)  # mode 0700
+        # named like the zmq transport's ipc directories (rrefrt-<pid>-<hex>), so that a start
+        # after this process was killed removes it (transport/hosts.py, clean_stale)
+        hosts.clean_stale(base)
+        self._dir = os.path.join(base, f"rrefrt-{os.getpid()}-{secrets.token_hex(4)}")
+        os.mkdir(self._dir, 0o700)
         path = os.path.join(self._dir, f"w{self.id}.sock")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         s.bind(path)
