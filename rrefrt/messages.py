@@ -116,11 +116,11 @@ class RemoteRequest:
         return cls(dest, _rid(rid), ForkId.from_wire(fid), tname, _forks(forks))
 
 
-@dataclass(frozen=True, slots=True)
-class Fetch:
-    KIND: ClassVar[int] = 18
-    NAME: ClassVar[str] = "RREF_FETCH"
-    dest: int  # the owner
+class _OwnerForkMessage:
+    """The wire form shared by messages that name one fork of an RRef to its owner:
+    meta ``[rref_id, fork_id]`` (Fetch, UserDelete)."""
+
+    __slots__ = ()
     rref_id: RRefId
     fork_id: ForkId
 
@@ -128,9 +128,18 @@ class Fetch:
         return [self.rref_id.to_wire(), self.fork_id.to_wire()]
 
     @classmethod
-    def decode(cls, dest: int, meta: list) -> "Fetch":
+    def decode(cls, dest: int, meta: list) -> Any:
         rid, fid = meta
-        return cls(dest, _rid(rid), ForkId.from_wire(fid))
+        return cls(dest, _rid(rid), ForkId.from_wire(fid))  # type: ignore[call-arg]
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch(_OwnerForkMessage):
+    KIND: ClassVar[int] = 18
+    NAME: ClassVar[str] = "RREF_FETCH"
+    dest: int  # the owner
+    rref_id: RRefId
+    fork_id: ForkId
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,20 +179,12 @@ class ChildAccept:
 
 
 @dataclass(frozen=True, slots=True)
-class UserDelete:
+class UserDelete(_OwnerForkMessage):
     KIND: ClassVar[int] = 21
     NAME: ClassVar[str] = "RREF_USER_DELETE"
     dest: int  # the owner
     rref_id: RRefId
     fork_id: ForkId
-
-    def meta(self) -> list[Any]:
-        return [self.rref_id.to_wire(), self.fork_id.to_wire()]
-
-    @classmethod
-    def decode(cls, dest: int, meta: list) -> "UserDelete":
-        rid, fid = meta
-        return cls(dest, _rid(rid), ForkId.from_wire(fid))
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,12 +58,7 @@ class Echo:
         self.endpoints: list[str] = []
 
     def bind(self, endpoint: str) -> str:
-        if self._auth is not None:
-            security.configure_server(self._sock, self._auth)
-        self._sock.bind(endpoint)
-        actual = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.endpoints.append(actual)
-        return actual
+        return security.bind(self._sock, self._auth, endpoint, self.endpoints)
 
     def start(self) -> None:
         self._thread.start()

@@ -116,6 +116,18 @@ def configure_server(sock: zmq.Socket, auth: CurveAuth) -> None:
     sock.setsockopt(zmq.CURVE_SERVER, 1)
 
 
+def bind(sock: zmq.Socket, auth: CurveAuth | None, endpoint: str, bound: list[str]) -> str:
+    """Bind ``sock`` as a CURVE server when the job has keys (options are copied at bind,
+    NOTE [Authentication], Rule 2); record and return the concrete endpoint (port 0 -> the
+    port chosen). The data, heartbeat and echo sockets all bind this way."""
+    if auth is not None:
+        configure_server(sock, auth)
+    sock.bind(endpoint)
+    actual = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    bound.append(actual)
+    return actual
+
+
 def configure_client(sock: zmq.Socket, auth: CurveAuth, peer_rank: int) -> None:
     """Call right before ``connect`` to ``peer_rank``: we authenticate to it, and it to us
     (the handshake fails unless the server holds the secret key of ``peer_rank``)."""

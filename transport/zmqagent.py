@@ -173,12 +173,7 @@ class ZmqTransport:
         return PeerAddress(self.host, eps)
 
     def _bind_data(self, endpoint: str) -> str:
-        if self._auth is not None:  # options are copied at bind (NOTE [Authentication], Rule 2)
-            security.configure_server(self._sock, self._auth)
-        self._sock.bind(endpoint)
-        actual = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.endpoints.append(actual)
-        return actual
+        return security.bind(self._sock, self._auth, endpoint, self.endpoints)
 
     def start(self) -> None:
         self._echo.start()
