@@ -41,11 +41,6 @@ def test_remote_and_to_here(cluster):
     assert_drained("w1")
 
 
-# NOTE: fails about one run in three when tests/test_rpc.py ran before it in the same
-# process: w0 still holds a confirmed user of the Counter 5 s after `del` + gc (the
-# AttributeError path of the proxy is the suspect: its remote error keeps the RRef alive).
-# Passes alone. Bounded reruns until the reference is found (closing note, 2026-12-01).
-@pytest.mark.flaky(reruns=2)
 def test_proxies_methods_static_and_class(cluster):
     rref = rrefrt.remote("w2", fns.Counter, args=(1,))
     assert rref.rpc_sync().increment(2) == 3
