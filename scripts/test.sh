@@ -9,4 +9,4 @@ bash scripts/setup.sh
 if [ "$#" -eq 0 ] && [ "${RREFRT_SKIP_DOCS:-0}" != 1 ]; then
   bash scripts/docs.sh -q
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
