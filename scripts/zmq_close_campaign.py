@@ -71,8 +71,9 @@ def worker(cfg: dict) -> None:
         specs = [transport.PeerSpec(p["id"], p["name"], p["incarnation"], transport.PeerAddress.from_wire(p["address"])) for p in table]
     else:
         specs = [transport.PeerSpec(p["id"], p["name"], p["incarnation"], p["address"]) for p in table]
+    t0 = time.monotonic()
     t.connect_peers(specs, cfg.get("join_s", 60.0))
-    print(json.dumps({"event": "ready"}), flush=True)
+    print(json.dumps({"event": "ready", "join_s": time.monotonic() - t0}), flush=True)
     if not sys.stdin.readline().strip():  # "go" (every worker is ready), or EOF: stop
         t.close()
         return
@@ -118,7 +119,7 @@ def _read_event(p: subprocess.Popen, event: str, deadline: float) -> dict:
 def one_round(workers: int, root: Path = ROOT, flood_s: float = 1.0, stagger_s: float = 0.5,
               timeout: float | None = None) -> dict[str, int]:
     """Run one mesh of ``workers`` processes; return counts of exit outcomes (ok, abort,
-    failed, hung) and of workers expelled by a peer (which exit ok). ``timeout``
+    failed, hung), of workers expelled by a peer (which exit ok), and the slowest join. ``timeout``
     bounds the whole round (default: the join timeout plus two minutes)."""
     env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
@@ -138,8 +139,7 @@ def one_round(workers: int, root: Path = ROOT, flood_s: float = 1.0, stagger_s: 
         for p in procs:
             p.stdin.write(table + "\n")
             p.stdin.flush()
-        for p in procs:
-            _read_event(p, "ready", deadline)
+        slowest = max(_read_event(p, "ready", deadline).get("join_s", 0.0) for p in procs)
         for p in procs:  # every worker joined: flood now
             p.stdin.write(json.dumps({"go": True}) + "\n")
             p.stdin.flush()
@@ -148,7 +148,7 @@ def one_round(workers: int, root: Path = ROOT, flood_s: float = 1.0, stagger_s: 
             p.stdin.write(json.dumps({"close_after": rng.uniform(0, stagger_s)}) + "\n")
             p.stdin.flush()
         #: "expelled" (informative): workers declared dead by a peer (a CPU-starved mesh)
-        out = {"ok": 0, "abort": 0, "failed": 0, "hung": 0, "expelled": 0}
+        out = {"ok": 0, "abort": 0, "failed": 0, "hung": 0, "expelled": 0, "slowest_join_s": round(slowest, 1)}
         for p in procs:
             try:
                 rc = p.wait(max(1.0, deadline - time.monotonic()))
@@ -193,7 +193,7 @@ def main() -> int:
             res = one_round(w, args.root)
             print(f"{w} workers, round {r + 1}/{args.rounds}: {res} in {time.monotonic() - t0:.1f}s", flush=True)
             for k, v in res.items():
-                total[k] = total.get(k, 0) + v
+                total[k] = max(total.get(k, 0), v) if k == "slowest_join_s" else total.get(k, 0) + v
     print(f"total: {total}")
     return 0 if total.get("abort", 0) == total.get("failed", 0) == total.get("hung", 0) == 0 else 1
 

@@ -243,5 +243,7 @@ def test_many_workers_closing_at_once_never_abort(workers: int, rounds: int) -> 
     for r in range(rounds):
         t0 = time.monotonic()
         res = one_round(workers)
-        print(f"\n[reliability] {workers} workers closing at once, round {r + 1}: {res} in {time.monotonic() - t0:.1f}s")
-        assert {k: res[k] for k in ("ok", "abort", "failed", "hung")} == {"ok": workers, "abort": 0, "failed": 0, "hung": 0}, res
+        took = time.monotonic() - t0
+        print(f"\n[reliability] {workers} workers closing at once, round {r + 1}: {res} in {took:.1f}s")
+        outcome = {k: res[k] for k in ("ok", "abort", "failed", "hung")}
+        assert outcome == {"ok": workers, "abort": 0, "failed": 0, "hung": 0}, res
