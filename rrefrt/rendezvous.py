@@ -14,9 +14,11 @@ shutdown never reads stale records):
                       worker scans the tickets around its own and fails at once, naming both
                       processes, on a duplicate rank, a world size that differs or a rank
                       outside [0, world_size) (NOTE [Conflicts])
-    joined, gone      counters of workers that entered / left a failed join
+    done/<n>          the join of ticket n ended (formed, or failed and its error read)
     worker/<r>        msgpack Record
-    abort             a message: some worker found the group invalid; everyone fails with it
+    abort             a message: some worker found the group invalid; everyone fails with it.
+                      Written under the generation of every ticket near the writer's, as
+                      each worker computes it with its own world_size (NOTE [Conflicts])
     barrier/<phase>/<r>  worker r reached that phase of shutdown
 
 NOTE [Conflicts]
@@ -26,7 +28,14 @@ NOTE [Conflicts]
   the generations: ticket j with world size w belongs to window [g*w + 1, (g+1)*w]; two
   tickets in one window with one rank are a duplicate, overlapping windows with different
   world sizes a mismatch. Each waiting worker re-reads the tickets near its own on every
-  poll, so every worker of the group reports the conflict within a poll or two.
+  poll, so every worker of the group reports the conflict within a poll or two. An abort
+  for a conflict is written under the generation of each party to it too (a worker whose
+  world_size differs looks under another prefix), never under a running group's.
+  After a failed join, the store's host (rank 0) keeps the store up (at most _LINGER_S)
+  until every rank of the group took a ticket and every ticket near its own is done: a
+  worker that starts late (a loaded machine) still finds the store, sees the conflict and
+  fails with it, instead of retrying a closed port until its init timeout (300 s by
+  default; the conflict tests once hung 60 s that way under load).
 
 NOTE [Re-initialisation] (issue 11 item 6)
   When rank 0 hosts the store, a worker that shut down and calls init_rpc again may reach
@@ -62,6 +71,10 @@ _RECONNECT_S = 10.0
 _AUTH_GRACE = 2.0
 #: a probe of an occupied port: how long to wait for an rrefrt store's greeting
 _PROBE_S = 2.0
+#: after a failed join, how long the store's host waits for the group to read the error
+_LINGER_S = 10.0
+#: how long a worker with an invalid rank tries to reach the store to report it
+_INVALID_REACH_S = 10.0
 
 Dead = Union[Iterable[int], Callable[[], Iterable[int]]]
 
@@ -221,11 +234,13 @@ class Rendezvous:
         self._may_reconnect = False
         #: the store is rrefrt's own, hosted by rank 0 (set by _open)
         self._rank0_store = False
+        #: the join failed on a conflict (an abort): the host waits for late workers
+        self._conflict = False
         self.store: Any = None
         valid = 0 <= spec.rank < spec.world_size
         try:
-            # an invalid rank is reported to the group if its store answers within 2 s
-            self.store = self._open(timeout if valid else min(2.0, timeout))
+            # an invalid rank is reported to the group if its store answers in time
+            self.store = self._open(timeout if valid else min(_INVALID_REACH_S, timeout))
         except StoreAuthError as e:
             self.close()
             raise AuthenticationError(f"{self._me} could not join the rendezvous store: {e}; see docs/security.md") from None
@@ -239,10 +254,10 @@ class Rendezvous:
             if self.store is not None:
                 try:
                     self._post_ticket(self._name or f"rank{spec.rank}")
-                    self.store.set(self.key("abort"), f"{self._tickets[self._n].who()}: {msg}".encode())
+                    self._abort(f"{self._tickets[self._n].who()}: {msg}")
                 except Exception:
                     pass
-                self.close()
+                self.close(failed=True)
             raise InvalidRankError(msg)
 
     def _open(self, timeout: float) -> Any:
@@ -301,6 +316,7 @@ class Rendezvous:
                 log.info("rendezvous store closed during join (%s); reconnecting for %.1fs", e, left)
                 self.store.close()
                 self._tickets.clear()
+                self._conflict = False
                 try:
                     self.store = StoreClient(self.spec.master_addr, self.spec.master_port, max(0.0, left), self._secret,
                                              identity=self._me)
@@ -318,7 +334,6 @@ class Rendezvous:
     def _join_once(self, record: Record, deadline: float) -> list[Record]:
         spec = self.spec
         self._post_ticket(record.name)
-        self.store.add(self.key("joined"), 1)
         self._check_conflicts()
         self.store.set(self.key(f"worker/{spec.rank}"), record.to_wire())
         keys = [f"worker/{r}" for r in range(spec.world_size)]
@@ -336,10 +351,11 @@ class Rendezvous:
         if missing:
             ranks = ", ".join(k.split("/")[1] for k in missing)
             msg = f"{where}, but rank(s) {ranks} never joined (world_size={spec.world_size})"
-            self.store.set(self.key("abort"), msg.encode())
+            self._abort(msg, conflict=False)
             raise RendezvousError(msg)
         records = [self._get(k) for k in keys]
         self._validate(records, record)
+        self.store.set(f"rpc/done/{self._n}", b"1")
         return records
 
     def _post_ticket(self, name: str) -> None:
@@ -351,9 +367,8 @@ class Rendezvous:
         self._tickets[n] = me
         self.store.set(f"rpc/ticket/{n}", msgpack.packb([me.name, me.rank, me.world_size, me.host, me.pid]))
 
-    def _check_conflicts(self) -> None:
-        """NOTE [Conflicts]: raise (and publish) a duplicate rank, world size mismatch or
-        invalid rank found among the tickets near ours."""
+    def _scan(self) -> list[_Ticket]:
+        """Read the tickets near ours (NOTE [Conflicts]) not read yet; return all of them."""
         me = self._tickets[self._n]
         count = self.store.add("rpc/init_count", 0)
         lo = max(1, me.window().start - me.world_size)
@@ -362,11 +377,26 @@ class Rendezvous:
             if j not in self._tickets and self.store.check([f"rpc/ticket/{j}"]):
                 name, rank, ws, host, pid = msgpack.unpackb(self.store.get(f"rpc/ticket/{j}", 1.0))
                 self._tickets[j] = _Ticket(j, name, int(rank), int(ws), host, int(pid))
-        near = [self._tickets[j] for j in sorted(self._tickets) if lo <= j <= hi]
-        problem = None
+        return [self._tickets[j] for j in sorted(self._tickets) if lo <= j <= hi]
+
+    def _abort(self, msg: str, parties: Iterable[_Ticket] = (), conflict: bool = True) -> None:
+        """Publish ``msg`` as the group's error under our generation and under those of the
+        ``parties`` to a conflict, each computed with that party's own world_size."""
+        self._conflict = self._conflict or conflict
+        forming = [t for t in parties if not self.store.check([f"rpc/done/{t.n}"])]  # not a formed group's
+        for prefix in sorted({self.prefix} | {f"rpc/{t.gen}/" for t in forming}):
+            self.store.set(prefix + "abort", msg.encode())
+
+    def _check_conflicts(self) -> None:
+        """NOTE [Conflicts]: raise (and publish) a duplicate rank, world size mismatch or
+        invalid rank found among the tickets near ours."""
+        me = self._tickets[self._n]
+        near = self._scan()
+        problem, parties = None, []
         for t in near:
             if not 0 <= t.rank < t.world_size:
                 problem = f"{t.who()} has rank {t.rank} outside [0, world_size={t.world_size})"
+                parties = [t]
                 break
             for u in near:
                 if u.n <= t.n:
@@ -382,13 +412,14 @@ class Rendezvous:
                         "give every process its own rank (RANK)"
                     )
                 if problem:
+                    parties = [t, u]
                     break
             if problem:
                 break
         if problem is None and self._rank0_store:
-            problem = self._held_by_running_group(me, near)
+            problem = self._held_by_running_group(me, near)  # the running group is left alone
         if problem:
-            self.store.set(self.key("abort"), problem.encode())
+            self._abort(problem, parties)
             raise RendezvousError(problem)
 
     def _check_auth_failures(self) -> None:
@@ -408,7 +439,7 @@ class Rendezvous:
             "(or has another one). Every worker must use the same RREFRT_SECRET or RpcBackendOptions(secret=...), "
             "or none may; see docs/security.md"
         )
-        self.store.set(self.key("abort"), msg.encode())
+        self._abort(msg)
         raise AuthenticationError(msg, [who])
 
     def _held_by_running_group(self, me: _Ticket, near: list[_Ticket]) -> str | None:
@@ -446,7 +477,7 @@ class Rendezvous:
             if problem:
                 break
         if problem:
-            self.store.set(self.key("abort"), problem.encode())
+            self._abort(problem)
             raise RendezvousError(problem)
 
     def _wait_keys(self, keys: list[str], deadline: float, dead: Dead | None = None, conflicts: bool = False) -> list[str]:
@@ -462,6 +493,7 @@ class Rendezvous:
             if not pending:
                 return []
             if self.store.check([self.key("abort")]):
+                self._conflict = True
                 raise RendezvousError(self.store.get(self.key("abort"), 1.0).decode(errors="replace"))
             if conflicts:
                 self._check_conflicts()
@@ -498,22 +530,30 @@ class Rendezvous:
             f"(hosted by rank 0 or the launcher) failed - its host may have died or left: {e}"
         )
 
+    def _linger(self, deadline: float) -> None:
+        """The host, after a failed join: wait (until ``deadline``) until every ticket near
+        ours is done and, after a conflict, every rank of the group took a ticket."""
+        while time.monotonic() < deadline:
+            near = self._scan()
+            ranks = {t.rank for t in near}
+            size = max(t.world_size for t in near)
+            arrived = not self._conflict or all(r in ranks for r in range(size))
+            if arrived and all(self.store.check([f"rpc/done/{t.n}"]) for t in near):
+                return
+            self.store.wait(["rpc/never"], 0.05)  # paces the re-check
+
     def _get(self, suffix: str) -> Record:
         return Record.from_wire(self.store.get(self.key(suffix), 5.0))
 
     def close(self, failed: bool = False) -> None:
         """Close the client (and the server, if hosted here). After a failed join the
-        host keeps the store up (at most 3 s) until every worker that joined has left,
-        so each of them reads the real error rather than a closed connection."""
+        host keeps the store up until the group has read the error (NOTE [Conflicts])."""
         store = self.store
         if store is not None and failed and hasattr(self, "prefix"):
             try:
-                gone = store.add(self.key("gone"), 1)
+                store.set(f"rpc/done/{self._n}", b"1")
                 if self.server is not None:
-                    deadline = time.monotonic() + 3.0
-                    while time.monotonic() < deadline and gone < store.add(self.key("joined"), 0):
-                        store.wait([self.key("never")], 0.05)  # paces the re-check
-                        gone = store.add(self.key("gone"), 0)
+                    self._linger(time.monotonic() + _LINGER_S)
             except Exception:
                 pass
         if store is not None:

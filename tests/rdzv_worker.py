@@ -11,6 +11,7 @@ rank 1 that raises an exception whose class cannot be rebuilt).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -43,6 +44,10 @@ def _opts(**kw: object) -> rrefrt.RpcBackendOptions:
 
 def main() -> int:
     from tests import rdzv_worker as m  # pickled by module name, not as __main__
+
+    # a worker still running after RDZV_DUMP_S prints every thread's stack and exits: a hang
+    # shows where it is instead of being killed silently by the test
+    faulthandler.dump_traceback_later(float(os.environ.get("RDZV_DUMP_S", "50")), exit=True)
 
     mode = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

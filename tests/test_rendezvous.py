@@ -78,10 +78,6 @@ def test_barrier_reacts_to_a_death_while_it_waits():
         r0.close()
 
 
-# NOTE: one worker of these conflict tests hung past 60 s once in about four full runs on a
-# loaded 2-core machine (no output: still inside init_rpc); passes alone every time. Cause not
-# found yet (see the closing note of 2026-12-01); one bounded rerun until it is.
-@pytest.mark.flaky(reruns=1)
 def test_duplicate_rank_in_process_names_both_claimants():
     """Two claimants of rank 1 take their tickets before rank 0: all three fail at once."""
     port = free_port()
@@ -160,15 +156,15 @@ def test_reinit_with_rank_0_hosting_the_store_env_init(procs):
         print(f"rank {res['rank']}: init_rpc took " + ", ".join(f"{x:.2f}" for x in res["init_s"]) + " s (3 rounds)")
 
 
-# NOTE: one worker of these conflict tests hung past 60 s once in about four full runs on a
-# loaded 2-core machine (no output: still inside init_rpc); passes alone every time. Cause not
-# found yet (see the closing note of 2026-12-01); one bounded rerun until it is.
-@pytest.mark.flaky(reruns=1)
 def test_smaller_world_size_fails_fast_on_every_worker(procs):
+    """Rank 2 thinks the group has 2 workers (so its own rank is invalid), and starts 3 s
+    before the others (a loaded machine): it used to give up on the store after 2 s, and the
+    others then waited for it until their init timeout."""
     port = free_port()
     t0 = time.monotonic()
-    # rank 2 thinks the group has 2 workers (so its own rank is invalid)
-    procs += [_start("join", 0, 3, port), _start("join", 1, 3, port), _start("join", 2, 2, port)]
+    procs.append(_start("join", 2, 2, port))
+    time.sleep(3.0)  # the scenario: rank 0 (the store's host) starts late; not a synchronisation
+    procs += [_start("join", 0, 3, port), _start("join", 1, 3, port)]
     outs = _wait(procs, 60)
     took = time.monotonic() - t0
     for code, _, out in outs:
@@ -178,24 +174,22 @@ def test_smaller_world_size_fails_fast_on_every_worker(procs):
     assert took < 25, f"took {took:.1f}s: must not wait for the init timeout (60 s)"
 
 
-# NOTE: one worker of these conflict tests hung past 60 s once in about four full runs on a
-# loaded 2-core machine (no output: still inside init_rpc); passes alone every time. Cause not
-# found yet (see the closing note of 2026-12-01); one bounded rerun until it is.
-@pytest.mark.flaky(reruns=1)
 def test_world_size_mismatch_fails_fast_on_every_worker(procs):
+    """Rank 1 has world_size 2, the others 3. Rank 2 starts only once rank 1 has failed (a
+    loaded machine starts processes seconds apart): rank 0 used to close its store as soon
+    as the workers that had joined left, and rank 2 then retried the closed port until its
+    init timeout (a hang of 60 s in this test, once, under load)."""
     port = free_port()
     t0 = time.monotonic()
-    procs += [_start("join", 0, 3, port), _start("join", 1, 2, port), _start("join", 2, 3, port)]
-    outs = _wait(procs, 60)
-    for code, _, out in outs:
+    procs += [_start("join", 0, 3, port), _start("join", 1, 2, port)]
+    first = _wait([procs[1]], 30)
+    assert first[0][0] != 0 and "world size mismatch" in first[0][2], first
+    procs.append(_start("join", 2, 3, port))
+    for code, _, out in first + _wait([procs[0], procs[2]], 60):
         assert code != 0 and "world size mismatch" in out, out
     assert time.monotonic() - t0 < 25
 
 
-# NOTE: one worker of these conflict tests hung past 60 s once in about four full runs on a
-# loaded 2-core machine (no output: still inside init_rpc); passes alone every time. Cause not
-# found yet (see the closing note of 2026-12-01); one bounded rerun until it is.
-@pytest.mark.flaky(reruns=1)
 def test_duplicate_rank_0_is_reported_as_a_duplicate_not_port_in_use(procs, tmp_path):
     port = free_port()
     release = str(tmp_path / "release")

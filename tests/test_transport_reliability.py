@@ -172,6 +172,35 @@ def test_a_death_declared_by_one_is_spread_to_all_and_the_fenced_peer_is_told(me
     assert call(a.agent, 1, ECHO, ["b still fine"]).result(5)[0] == ["b still fine"]
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_fenced_while_it_joins_fails_its_join_at_once_naming_who(mesh: Mesh) -> None:
+    """NOTE [Fenced while joining]: A still waits for C (which never joins) when B expels it;
+    connect_peers used to wait out its timeout and then blame C ("could not reach 'C'")."""
+    a = mesh.local(0, "A", HB)
+    b = mesh.local(1, "B", HB)
+    c = mesh.local(2, "C", HB)  # listens and echoes, never joins: A's HELLOs to it go unanswered
+    box: list[BaseException | None] = []
+    t0 = time.monotonic()
+
+    def join_a() -> None:
+        try:
+            a.agent.connect_peers([a.spec, b.spec, c.spec], 30)
+            box.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            box.append(e)
+
+    joiner = threading.Thread(target=join_a, daemon=True)
+    joiner.start()
+    b.agent.connect_peers([a.spec, b.spec], 10)  # A and B are up for each other; A still waits for C
+    b.agent._hb.declare(0, "a test said so")  # type: ignore[attr-defined]
+    joiner.join(15)
+    assert box, "A's join did not end within 15 s of being fenced (its timeout is 30 s)"
+    err = box[0]
+    print(f"\n[reliability] A fenced while joining: connect_peers failed after {time.monotonic() - t0:.2f}s: {err}")
+    assert isinstance(err, Fenced) and "'B'" in str(err) and "a test said so" in str(err), repr(err)
+    assert c.agent is not None
+
+
 @pytest.mark.timeout(90)
 def test_a_peer_stopped_past_the_timeout_is_dead_for_all_and_fails_fast_after_it_resumes(mesh: Mesh) -> None:
     a = mesh.local(0, "A", HB)
@@ -200,8 +229,10 @@ def test_a_peer_stopped_past_the_timeout_is_dead_for_all_and_fails_fast_after_it
 
 # ---------------------------------------------------------------------------- close at scale
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-# CI runs one round of each (about 30 s); `python scripts/zmq_close_campaign.py` is the campaign
+@pytest.mark.timeout(600)
+# CI runs one round of each; `python scripts/zmq_close_campaign.py` is the campaign. The
+# flood starts once every worker joined and the join timeout grows with the mesh (the
+# campaign's docstring): a 2-core machine under load carries both sizes.
 @pytest.mark.parametrize("workers,rounds", [(32, 1), (64, 1)])
 def test_many_workers_closing_at_once_never_abort(workers: int, rounds: int) -> None:
     """Issue 11 item 2: libzmq aborted (``Assertion failed: !_io_error``) in Context.term()
@@ -210,6 +241,9 @@ def test_many_workers_closing_at_once_never_abort(workers: int, rounds: int) -> 
     from zmq_close_campaign import one_round
 
     for r in range(rounds):
+        t0 = time.monotonic()
         res = one_round(workers)
-        print(f"\n[reliability] {workers} workers closing at once, round {r + 1}: {res}")
-        assert res == {"ok": workers, "abort": 0, "failed": 0, "hung": 0}, res
+        took = time.monotonic() - t0
+        print(f"\n[reliability] {workers} workers closing at once, round {r + 1}: {res} in {took:.1f}s")
+        outcome = {k: res[k] for k in ("ok", "abort", "failed", "hung")}
+        assert outcome == {"ok": workers, "abort": 0, "failed": 0, "hung": 0}, res

@@ -47,6 +47,11 @@ delivery), then the echo (TERMINATE to its proxy), then the data loop, whose soc
 with ``linger`` after the runtime's own drain; the ZAP handler closes after the sockets;
 only then ``Context.term()``, which the lingers bound.
 
+NOTE [Fenced while joining]: a worker declared dead while it still joins (starved of CPU
+past the heartbeat timeout, say) can never complete the join (its HELLOs are dropped and
+answered FENCED): ``connect_peers`` raises ``Fenced`` at once, naming who expelled it, rather
+than time out blaming the peers that refused it ("could not reach 'w26', 'w27'").
+
 NOTE [Fault injection]: tests install ``fault_hook`` to drop, delay, duplicate or reorder
 (delay one so later ones overtake) outgoing messages by label. It sits after a request is
 registered, so a dropped request still fails at its deadline, exactly like a lost one.
@@ -82,7 +87,6 @@ log = logging.getLogger("rrefrt.transport")
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 LIVE = "-live"  #: suffix of the heartbeat endpoints in a PeerAddress ("tcp-live", "ipc-live")
 ECHO = "-echo"  #: suffix of the echo endpoints ("tcp-echo", "ipc-echo")
-
 
 
 class ZmqTransport:
@@ -184,8 +188,9 @@ class ZmqTransport:
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Join the mesh: connect to peers with a higher id (ipc when the peer is on this
         host, tcp otherwise), exchange HELLO, hear each one's heartbeat, and return once all
-        are up; raise TransportError naming the missing peers after ``timeout`` seconds, or
-        AuthenticationFailed naming those that fail the handshake (NOTE [Handshake failures])."""
+        are up; raise TransportError naming the missing peers after ``timeout`` seconds,
+        AuthenticationFailed naming those that fail the handshake (NOTE [Handshake failures]),
+        or at once ``Fenced`` naming the member that expelled this worker meanwhile."""
         self._check_usable()
         if self._auth is not None:
             for spec in peers:
@@ -220,12 +225,11 @@ class ZmqTransport:
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
             raise self._join_error
+        if self._fenced is not None:  # NOTE [Fenced while joining]
+            raise self._fenced
         if not joined:
-            missing = sorted(p.spec.name for p in list(self._peers.values()) if not self._is_up(p))
-            raise TransportError(
-                f"worker {self.name!r} could not reach {', '.join(map(repr, missing)) or 'its peers'} "
-                f"within {timeout:.1f}s"
-            )
+            missing = ", ".join(sorted(repr(p.spec.name) for p in list(self._peers.values()) if not self._is_up(p)))
+            raise TransportError(f"worker {self.name!r} could not reach {missing or 'its peers'} within {timeout:.1f}s")
 
     # ------------------------------------------------------------------ API (any thread)
     def request(
@@ -567,6 +571,7 @@ class ZmqTransport:
         self._fenced = Fenced(self.name, by, cause)
         log.error("%s", self._fenced)
         self.stats["fenced"] += 1
+        self._all_up.set()  # a join still waiting fails now (NOTE [Fenced while joining])
         try:
             self._loop.call_soon(lambda: self._fail_everything(self._fenced))
         except LoopClosed:
