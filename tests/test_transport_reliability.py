@@ -128,7 +128,7 @@ def test_a_transfer_longer_than_the_heartbeat_timeout_is_delivered(mesh: Mesh) -
         c = call(a.agent, 1, COUNT, None, [blob], timeout=60)
         meta, _ = c.result(60)
         dt = time.monotonic() - t0
-        print(f"\n[reliability] {size >> 20} MiB request delivered in {dt:.2f}s (heartbeat timeout {opts["heartbeat_timeout"]}s)")
+        print(f"\n[reliability] {size >> 20} MiB request delivered in {dt:.2f}s (heartbeat timeout {opts['heartbeat_timeout']}s)")
         assert meta == [i]
         assert i or dt > opts["heartbeat_timeout"], "the transfer was too quick to test anything"
     assert a.agent.is_alive(1) and not a.dead
