@@ -29,6 +29,7 @@ from . import state
 from .autograd import _hooks as _autograd
 from .errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
 from .functions import is_async_execution, is_future, wrong_return_type
+from .profiling import profiling_future
 from .futures import Future
 from .pool import current_pool
 from .rref_context import READY, OwnerRecord, UserRecord
@@ -208,9 +209,11 @@ class RRef(Generic[T]):
         return fut
 
     def _get_profiling_future(self) -> Future[None]:
-        """torch's profiling hook: rrefrt records no profiling events, so this is
-        ``_get_future()`` (it completes once the creation is done)."""
-        return self._get_future()
+        """torch's profiling hook: for an RRef made by ``remote()`` inside torch's legacy
+        profiler, a Future completed once the owner's profiling events are in the caller's
+        profile (NOTE [RPC profiling]); otherwise ``_get_future()``."""
+        fut = profiling_future(self)
+        return fut if fut is not None else self._get_future()
 
     def _owner_future(self, timeout: float, convert: Any) -> Future[Any]:
         rt, rec = self._rt, self._owner_rec
