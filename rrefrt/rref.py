@@ -116,7 +116,11 @@ class RRef(Generic[T]):
         rec = self._user_rec
         if rec is not None:
             if rec.closed_by_shutdown:
-                raise ShutdownError(f"{self!r} was deleted by rrefrt.shutdown()")
+                # torch's phrase (its programs match on it), then ours
+                raise ShutdownError(
+                    f"User RRef was deleted. Cannot call to_here() on it after deletion. {self!r} was "
+                    "deleted by rrefrt.shutdown(): an RRef cannot be used once its worker has left"
+                )
             if rec.error is not None:
                 if isinstance(rec.error, OwnerDiedError):  # name the RRef and its owner
                     raise OwnerDiedError(f"{self!r} cannot be used: {rec.error}")
