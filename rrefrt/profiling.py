@@ -116,7 +116,7 @@ def install() -> bool:
             orig_start = pl.profile._start_trace
             orig_parse = pl._parse_legacy_records
         except (ImportError, AttributeError) as e:
-            log.warning("rrefrt cannot record RPC calls in torch's profiler (this torch lacks %s)", e)
+            log.debug("rrefrt cannot record RPC calls in torch's profiler (this torch lacks %s)", e)
             return False
 
         def _start_trace(self: Any) -> Any:
