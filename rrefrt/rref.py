@@ -345,6 +345,9 @@ class _Proxy:
             fn = getattr(rref._rt, how)
             if _autograd.active():  # inside a distributed autograd context: record the call
                 return _autograd.traced_call(how, fn, rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
+            if profiling_active():  # inside torch's legacy profiler: recorded as torch records proxy calls
+                mode = {"rpc_sync": "sync", "rpc_async": "async", "remote": "remote"}[how]
+                return profiled_call(mode, fn, rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
             return fn(rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
 
         return call

@@ -62,6 +62,7 @@ def test_calls_and_their_remote_events_are_recorded(solo):
         with pytest.raises(ValueError, match="boom"):
             rrefrt.rpc_sync("solo", fails)
         assert rrefrt.rpc_async("solo", nested, args=(x,)).wait().sum().item() == 24
+        assert rref.rpc_sync().sum().item() == 24  # a proxy call (torch records those too)
     events = prof.function_events
     assert not named(events, "rrefrt::profiled_rpc")  # the markers are gone
     key = "rpc_sync#ops(solo -> solo)"
@@ -82,6 +83,7 @@ def test_calls_and_their_remote_events_are_recorded(solo):
     outer = "rpc_async#nested(solo -> solo)#remote_op: rpc_async#aten::add(solo -> solo)"
     assert [e for e in events if e.name == outer]
     assert named(events, outer + "#remote_op: aten::add")
+    assert named(events, "rpc_sync#_invoke_on_owner(solo -> solo)#remote_op: aten::sum")
 
 
 def test_no_profiler_no_recording_and_no_torch_import_needed(solo):
