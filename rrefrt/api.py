@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import transport
 
-from . import serialization, state
+from . import profiling as _profiling, serialization, state
 from .autograd import _hooks as _autograd
 from .devices import DeviceInfo, DevicePlan
 from .errors import AuthenticationError, RpcError, ShutdownError
@@ -147,6 +147,7 @@ def init_rpc(
             raise
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
+        _profiling.install()  # when torch is imported: RPC calls show in its profiler
         log.info("worker %r (rank %d of %d) joined the group", name, spec.rank, spec.world_size)
 
 
@@ -177,6 +178,8 @@ def warn_unauthenticated(bind_address: str) -> bool:
 
 def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
     """Call ``func(*args, **kwargs)`` on worker ``to`` and return its result."""
+    if _profiling.active():  # inside torch's legacy profiler: record the call (NOTE [RPC profiling])
+        return _profiling.profiled_call("sync", rpc_sync, to, func, args, kwargs, timeout)
     if _autograd.active():  # inside a distributed autograd context: record the call
         return _autograd.traced_call("rpc_sync", state.current().rpc_sync, to, func, args, kwargs, timeout)
     return state.current().rpc_sync(to, func, args, kwargs, timeout)
@@ -184,6 +187,8 @@ def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = 
 
 def rpc_async(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Future[Any]:
     """Like rpc_sync, returning a Future at once."""
+    if _profiling.active():  # inside torch's legacy profiler: record the call (NOTE [RPC profiling])
+        return _profiling.profiled_call("async", rpc_async, to, func, args, kwargs, timeout)
     if _autograd.active():  # inside a distributed autograd context: record the call
         return _autograd.traced_call("rpc_async", state.current().rpc_async, to, func, args, kwargs, timeout)
     return state.current().rpc_async(to, func, args, kwargs, timeout)
@@ -191,6 +196,8 @@ def rpc_async(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any =
 
 def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> RRef[Any]:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``."""
+    if _profiling.active():  # inside torch's legacy profiler: record the call (NOTE [RPC profiling])
+        return _profiling.profiled_call("remote", remote, to, func, args, kwargs, timeout)
     if _autograd.active():  # inside a distributed autograd context: record the call
         return _autograd.traced_call("remote", state.current().remote, to, func, args, kwargs, timeout)
     return state.current().remote(to, func, args, kwargs, timeout)

@@ -75,7 +75,8 @@ class RemoteError(RpcError):
         last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else remote_type
         return cls(
             f"{last} (raised on worker {worker!r}; its type {remote_type} could not be rebuilt here)"
-            f"\n\nRemote traceback:\n{remote_traceback}",
+            # torch's phrase (its programs match on it) heads the traceback
+            f"\n\nOriginal exception on remote side was (remote traceback):\n{remote_traceback}",
             remote_type,
             worker,
             remote_traceback,

@@ -144,7 +144,8 @@ class LiveDead:
 def shutdown_graceful(rt: Any, rdzv: Any, world_size: int, limit: float) -> BaseException | None:
     """NOTE [Bounded shutdown]: every step of ``_graceful`` has the deadline, but a store
     request can still block in its socket beyond it (a stopped or partitioned store host
-    accepts the bytes and never answers; the store client's own I/O timeout is 10 s). So the
+    accepts the bytes and never answers; the store client waits 10 s for an answer, the
+    barriers up to their deadline, since a busy store host is not a dead one). So the
     steps run on a daemon thread and the caller waits for the deadline plus
     ``SHUTDOWN_GRACE`` at most; past that it gets a ShutdownError and the runtime is closed
     anyway (the abandoned thread cannot keep the process alive). Returns the error to

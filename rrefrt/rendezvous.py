@@ -508,12 +508,19 @@ class Rendezvous:
         ranks or a callable returning the current set, re-evaluated on every poll (so a
         death while waiting releases the barrier at once). Returns the ranks that never
         arrived."""
+        store = self.store
+        answer = getattr(store, "answer_timeout", None)
         try:
-            self.store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
+            if answer is not None:  # a slow store host is waited for up to the barrier's deadline
+                store.answer_timeout = max(answer, deadline - time.monotonic())
+            store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
             keys = [f"barrier/{phase}/{r}" for r in range(world_size)]
             missing = self._wait_keys(keys, deadline, dead)
         except StoreError as e:
             raise self._barrier_failed(phase, e) from None
+        finally:
+            if answer is not None:
+                store.answer_timeout = answer
         return [int(k.rsplit("/", 1)[1]) for k in missing]
 
     def arrive(self, phase: str, rank: int) -> None:

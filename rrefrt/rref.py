@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import time
 from typing import Any, Generic, Sequence, TypeVar
@@ -29,6 +30,7 @@ from . import state
 from .autograd import _hooks as _autograd
 from .errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
 from .functions import is_async_execution, is_future, wrong_return_type
+from .profiling import active as profiling_active, profiled_call, profiling_future
 from .futures import Future
 from .pool import current_pool
 from .rref_context import READY, OwnerRecord, UserRecord
@@ -115,7 +117,11 @@ class RRef(Generic[T]):
         rec = self._user_rec
         if rec is not None:
             if rec.closed_by_shutdown:
-                raise ShutdownError(f"{self!r} was deleted by rrefrt.shutdown()")
+                # torch's phrase (its programs match on it), then ours
+                raise ShutdownError(
+                    f"User RRef was deleted. Cannot call to_here() on it after deletion. {self!r} was "
+                    "deleted by rrefrt.shutdown(): an RRef cannot be used once its worker has left"
+                )
             if rec.error is not None:
                 if isinstance(rec.error, OwnerDiedError):  # name the RRef and its owner
                     raise OwnerDiedError(f"{self!r} cannot be used: {rec.error}")
@@ -170,7 +176,10 @@ class RRef(Generic[T]):
                 if self._owner_rec is not None:
                     fut = self._owner_future(timeout, lambda v: type(v))
                 else:
-                    fut = self._rt.rpc_async(self._owner_id(), _rref_typeof_on_owner, (self,), None, timeout)
+                    call = self._rt.rpc_async
+                    if profiling_active():  # torch shows this call in its profiler
+                        call = functools.partial(profiled_call, "async", call)
+                    fut = call(self._owner_id(), _rref_typeof_on_owner, (self,), None, timeout)
             except Exception as e:
                 if blocking:
                     raise
@@ -208,9 +217,11 @@ class RRef(Generic[T]):
         return fut
 
     def _get_profiling_future(self) -> Future[None]:
-        """torch's profiling hook: rrefrt records no profiling events, so this is
-        ``_get_future()`` (it completes once the creation is done)."""
-        return self._get_future()
+        """torch's profiling hook: for an RRef made by ``remote()`` inside torch's legacy
+        profiler, a Future completed once the owner's profiling events are in the caller's
+        profile (NOTE [RPC profiling]); otherwise ``_get_future()``."""
+        fut = profiling_future(self)
+        return fut if fut is not None else self._get_future()
 
     def _owner_future(self, timeout: float, convert: Any) -> Future[Any]:
         rt, rec = self._rt, self._owner_rec
@@ -334,6 +345,9 @@ class _Proxy:
             fn = getattr(rref._rt, how)
             if _autograd.active():  # inside a distributed autograd context: record the call
                 return _autograd.traced_call(how, fn, rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
+            if profiling_active():  # inside torch's legacy profiler: recorded as torch records proxy calls
+                mode = {"rpc_sync": "sync", "rpc_async": "async", "remote": "remote"}[how]
+                return profiled_call(mode, fn, rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
             return fn(rref._owner_id(), _invoke_on_owner, (rref, name, args, kwargs), None, timeout)
 
         return call

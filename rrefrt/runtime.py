@@ -147,18 +147,18 @@ class Runtime:
         if isinstance(to, WorkerInfo):
             w = self.workers_by_id.get(to.id)
             if w is None or w.name != to.name:
-                raise WorkerUnavailableError(f"{to!r} is not a member of this RPC group")
+                raise WorkerUnavailableError(f"could not find destination: {to!r} is not a member of this RPC group")
             return w
         if isinstance(to, str):
             w = self.workers_by_name.get(to)
             if w is None:
                 known = ", ".join(sorted(self.workers_by_name))
-                raise WorkerUnavailableError(f"unknown worker name {to!r}; the group has: {known}")
+                raise WorkerUnavailableError(f"could not find destination: unknown worker name {to!r}; the group has: {known}")
             return w
         if isinstance(to, int) and not isinstance(to, bool):
             w = self.workers_by_id.get(to)
             if w is None:
-                raise WorkerUnavailableError(f"unknown worker id {to}; ids run 0..{len(self.workers_by_id) - 1}")
+                raise WorkerUnavailableError(f"could not find destination: unknown worker id {to}; ids run 0..{len(self.workers_by_id) - 1}")
             return w
         raise TypeError(f"'to' must be a worker name, id or WorkerInfo, not {type(to).__name__}")
 

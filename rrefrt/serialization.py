@@ -165,7 +165,12 @@ def loads(frames: Sequence[Any], rrefs: list[Any]) -> Any:
     except RpcError:
         raise
     except Exception as e:
-        raise SerializationError(f"cannot decode payload: {type(e).__name__}: {e}") from e
+        hint = ""
+        if isinstance(e, AttributeError) and "Can't get attribute" in str(e):
+            # torch's phrase (its programs match on it), then ours
+            hint = (" (RPC pickler does not serialize function code: functions and classes are sent by "
+                    "name, so the callee must be able to import the same module with the same names)")
+        raise SerializationError(f"cannot decode payload: {type(e).__name__}: {e}{hint}") from e
     finally:
         _tls.rrefs = None
 

@@ -48,11 +48,17 @@ def bound(rt: Any) -> Iterator[None]:
 def current() -> Any:
     rt = _here()
     if rt is None:
-        raise ShutdownError("RPC is not running on this process: call rrefrt.init_rpc() first (or it was shut down)")
+        raise ShutdownError(NOT_RUNNING)
     if rt.pid != os.getpid():
         raise ShutdownError(FORKED)
     return rt
 
+
+#: starts with torch's phrase and contains its agent phrase: torch programs match on both
+NOT_RUNNING = (
+    "RPC has not been initialized on this process, or it was shut down: call rrefrt.init_rpc() "
+    "first (Current RPC agent is not set! Did you initialize the RPC framework?)"
+)
 
 FORKED = (
     "this process was forked from an rrefrt worker: the inherited runtime cannot be used "

@@ -435,6 +435,10 @@ class StoreClient:
         self._max_frame = 1 << 62  #: the largest request the store accepts (from its greeting)
         self._identity = identity
         self._lock = threading.Lock()
+        #: how long a request waits for its answer beyond its own wait (a busy store host -
+        #: its process in a long gc.collect(), a loaded machine - is not a dead one; callers
+        #: with a longer deadline raise it: Rendezvous.barrier)
+        self.answer_timeout = 10.0
         self._secret = secret_bytes(secret)
         self._require = (self._secret is not None) if require_auth is None else require_auth
         deadline = time.monotonic() + connect_timeout
@@ -512,11 +516,16 @@ class StoreClient:
             )
         with self._lock:
             try:
-                self._sock.settimeout(wait_s + 10.0)
+                self._sock.settimeout(wait_s + self.answer_timeout)
                 self._sock.sendall(frame)
                 status, out = unpack(recv_frame(self._sock))
             except socket.timeout:
-                raise StoreTimeout(f"rendezvous store at {self.host}:{self.port} did not answer") from None
+                # the answer may still come: the connection is out of step, never reuse it
+                self._sock.close()
+                raise StoreTimeout(
+                    f"rendezvous store at {self.host}:{self.port} did not answer within "
+                    f"{wait_s + self.answer_timeout:.0f}s"
+                ) from None
             except (OSError, ConnectionError, ValueError, struct.error) as e:
                 raise StoreClosed(f"rendezvous store at {self.host}:{self.port} failed: {e}") from None
         if status == _CLOSED:

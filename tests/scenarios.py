@@ -19,12 +19,17 @@ def shutdown_only(spec: dict) -> dict:
 
 
 def after_shutdown_call(spec: dict) -> dict:
+    try:  # an unknown destination first, while the group runs
+        rrefrt.get_worker_info("no-such-worker")
+        unknown = None
+    except rrefrt.WorkerUnavailableError as e:
+        unknown = str(e)
     rrefrt.shutdown()
     try:
         rrefrt.rpc_sync("w0", fns.add, args=(1, 2))
     except rrefrt.ShutdownError as e:
-        return {"error": type(e).__name__, "message": str(e)}
-    return {"error": None}
+        return {"error": type(e).__name__, "message": str(e), "unknown": unknown}
+    return {"error": None, "unknown": unknown}
 
 
 def hold_rrefs_at_shutdown(spec: dict) -> dict:

@@ -30,8 +30,12 @@ def spec(name, rank, world, port, **kw):
 
 
 def test_use_before_init_raises_shutdown_error():
-    with pytest.raises(rrefrt.ShutdownError, match="init_rpc"):
+    # torch's phrases first (torch programs match on them: "^RPC has not been initialized",
+    # "Current RPC agent is not set"), then what to do
+    with pytest.raises(rrefrt.ShutdownError, match="^RPC has not been initialized.*init_rpc.*Current RPC agent is not set"):
         rrefrt.rpc_sync("w1", fns.add, args=(1, 2))
+    with pytest.raises(rrefrt.ShutdownError, match="^RPC has not been initialized"):
+        rrefrt.RRef(1)
     with pytest.raises(rrefrt.ShutdownError):
         rrefrt.get_worker_info()
     with pytest.raises(rrefrt.ShutdownError):
@@ -45,6 +49,8 @@ def test_call_after_shutdown_raises_shutdown_error(workers):
     for code, res, out in results(workers.wait_all(60)):
         assert code == 0, out
         assert res["error"] == "ShutdownError", out
+        assert res["message"].startswith("RPC has not been initialized"), out
+        assert "could not find destination" in res["unknown"] and "no-such-worker" in res["unknown"], out
 
 
 def test_duplicate_name_fails_at_once_naming_both(workers):

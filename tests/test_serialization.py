@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -295,3 +296,30 @@ def test_cuda_ipc_open_failure_is_a_serialization_error_with_advice(monkeypatch)
 def test_cuda_ipc_can_be_turned_off():
     assert buffers.cuda_ipc_enabled({})
     assert not buffers.cuda_ipc_enabled({"RREFRT_CUDA_IPC": "0"})
+
+
+def test_torch_phrases_in_decode_and_remote_errors():
+    """torch programs match on "RPC pickler does not serialize" (a function the callee
+    cannot find by name) and "Original exception on remote side was" (a remote exception
+    that cannot be rebuilt); rrefrt's messages keep their own words after them."""
+    import types
+
+    import rrefrt
+
+    mod = types.ModuleType("rrefrt_test_gone_module")
+    exec("def gone():\n    return 1\n", mod.__dict__)
+    sys.modules[mod.__name__] = mod
+    try:
+        frames, _ = ser.dumps(mod.gone)
+    finally:
+        del sys.modules[mod.__name__]
+    sys.modules[mod.__name__] = types.ModuleType(mod.__name__)  # same module, no such name
+    try:
+        with pytest.raises(rrefrt.SerializationError, match="RPC pickler does not serialize.*sent by name"):
+            ser.loads([bytes(f) for f in frames], [])
+    finally:
+        del sys.modules[mod.__name__]
+    err = rrefrt.RemoteError.from_wire("m.CustomException", "w1", "Traceback...\nm.CustomException: foo\n")
+    assert "Original exception on remote side was" in str(err) and "CustomException" in str(err)
+    assert "w1" in str(err)
+    pickle.loads(pickle.dumps(err))

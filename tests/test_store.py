@@ -211,3 +211,77 @@ def test_partial_requests_cannot_buffer_more_than_the_byte_limit(server):
     finally:
         for x in socks:
             x.close()
+
+
+class _SlowAnswers:
+    """A TCP relay in front of a store whose answers are held back ``delay`` seconds while
+    ``slow`` is set: a store host that is alive but busy (a long gc.collect(), a loaded
+    machine)."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.delay = 0.0
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.lsock.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if answers and self.delay:
+                    time.sleep(self.delay)  # the simulated busy host, not synchronisation
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.lsock.close()
+
+
+def test_a_slow_store_answer_fails_the_request_but_not_a_barrier_with_time_left(server):
+    """A request whose answer comes after ``answer_timeout`` raises StoreTimeout and retires
+    the connection (a late answer is never read as the next request's); the shutdown
+    barrier waits for a slow store up to its own deadline instead (issue 12 item 10: a rank
+    failed its barrier while the store's host was busy)."""
+    from rrefrt.rendezvous import Rendezvous
+
+    s = server()
+    relay = _SlowAnswers(s.port)
+    try:
+        c = StoreClient("127.0.0.1", relay.port)
+        c.set("a", b"1")
+        c.answer_timeout = 0.2
+        relay.delay = 1.0
+        with pytest.raises(StoreTimeout, match="did not answer"):
+            c.get("a", 0)
+        with pytest.raises(StoreClosed):
+            c.get("a", 0)
+        relay.delay = 0.0
+
+        c2 = StoreClient("127.0.0.1", relay.port)
+        c2.answer_timeout = 0.2
+        c2.set("p/barrier/enter/1", b"1")
+        relay.delay = 1.0
+        rdzv = Rendezvous.__new__(Rendezvous)
+        rdzv.store, rdzv.prefix, rdzv._seen = c2, "p/", set()
+        assert rdzv.barrier("enter", 0, 2, time.monotonic() + 30, set()) == []
+        assert c2.answer_timeout == 0.2
+    finally:
+        relay.delay = 0.0
+        relay.close()

@@ -6,7 +6,7 @@ public names at rrefrt, tests/torch_compat/suite.py builds the test classes with
 agent fixture (world size 4, CPU, tcp:// rendezvous, no distributed autograd), and every
 test method runs in 4 worker processes as in torch's harness.
 
-What runs here (CI: about 18 s on 2 idle cores): ``CI_PASSING``, a chosen set of tests
+What runs here (CI: about 30 s on 2 idle cores): ``CI_PASSING``, a chosen set of tests
 that pass today, and ``CI_EXPECTED_TO_DIFFER``, a few tests of causes other engineers are fixing, as
 non-strict xfails with their reason - when a fix lands they XPASS, and the entry moves to
 CI_PASSING. All of it runs in one subprocess (a clean parent to fork the workers from),

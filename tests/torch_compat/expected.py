@@ -11,20 +11,16 @@ from __future__ import annotations
 
 #: cause -> outlook. "being fixed": other work of issue 12 is expected to flip these tests.
 CAUSES: dict[str, str] = {
-    "futures-interop": "being fixed (issue 12 item 1): rrefrt futures accepted by torch.futures.wait_all/collect_all",
-    "future-semantics": "being fixed (items 2, 11): torch's Future checks and exception types",
-    "async-proxy": "being fixed (item 3): @async_execution through RRef proxies",
-    "rref-details": "being fixed (items 6, 8, 12): RRef helpers and details torch programs use",
-    "error-texts": "being fixed (item 7): torch's phrases inside rrefrt's messages",
-    "error-types": "being fixed (item 11): torch's exception types (a subclass of both is fine)",
-    "tensor-layout": "open (item 5): keep strides of non-contiguous tensors",
-    "dynamic-groups": "open (item 4): design in docs/dynamic-groups.md",
+    "futures-interop": "expected to differ: torch.futures.wait_all exits early only on a C++-level error, which Python cannot set on a torch._C.Future",
+    "error-texts": "open (item 7): torch's phrases inside rrefrt's messages",
+    "error-types": "open (item 11): torch's exception types (a subclass of both is fine)",
+    "dynamic-groups": "being fixed (item 4): design in docs/dynamic-groups.md",
     "dist-autograd": "until distributed autograd lands (being built separately)",
-    "profiling": "open (item 8): RPC events in torch.autograd.profiler; expected to differ until then",
     "torchscript": "expected to differ: rrefrt does not run TorchScript RPC",
     "private": "expected to differ: the test calls private torch.distributed.rpc internals",
     "rref-format": "expected to differ: rrefrt prints RRef ids as <worker id>:<n> (API.md), torch as GloballyUniqueId(created_on=.., local_id=..)",
     "one-backend": "expected to differ: rrefrt has one backend, there is nothing to infer or mismatch",
+    "torch-quirk": "expected to differ: the test checks a quirk of torch's own agent that its comments call a TODO",
     "worker-info": "open: WorkerInfo could validate names as torch does",
     "logging": "expected to differ: rrefrt logs through logging and adds no handler",
 }
@@ -39,122 +35,9 @@ def _group(cause: str, reason: str, *names: str) -> None:
 
 
 _group(
-    'futures-interop',
-    'torch.futures.wait_all/collect_all (torch._C._collect_all) reject rrefrt futures',
-    'RpcTest.test_future_wait_twice',
-    'RpcTest.test_graceful_shutdown_with_uneven_workload',
-    'RpcTest.test_my_parameter_server',
-    'RpcTest.test_py_tensors_multi_async_call',
-    'RpcTest.test_stress_heavy_rpc',
-    'RpcTest.test_stress_light_rpc',
-    'RpcTest.test_wait_all_exit_early_builtin',
-    'RpcTest.test_wait_all_exit_early_python',
-    'RpcTest.test_wait_all_with_exception',
-    'RpcTest.test_wait_all_with_partial_exception',
-    'TensorPipeAgentRpcTest.test_my_parameter_server_sparse',
-    'TensorPipeAgentRpcTest.test_stress_heavy_rpc_sparse',
-)
-_group(
-    'future-semantics',
-    "@async_execution returning a non-Future raises TypeError, torch raises RuntimeError('Functions decorated with @rpc.async_function must return a torch.futures.Future')",
-    'RpcTest.test_async_function_wrong_return_type',
-    'RpcTest.test_async_function_wrong_return_type_async',
-    'RpcTest.test_async_function_wrong_return_type_remote',
-)
-_group(
-    'future-semantics',
-    'Future.then(None) / a callback of the wrong signature must raise TypeError at once (torch checks the callback)',
-    'RpcTest.test_callback_none',
-    'RpcTest.test_callback_wrong_arg_num',
-    'RpcTest.test_callback_wrong_arg_type',
-)
-_group(
-    'future-semantics',
-    'set_result on a completed Future raises concurrent.futures.InvalidStateError, torch raises RuntimeError',
-    'RpcTest.test_mark_future_twice',
-)
-_group(
-    'async-proxy',
-    "@async_execution methods called through RRef proxies try to pickle the returned Future ('cannot pickle _thread.RLock')",
-    'RpcTest.test_async_class_rref_proxy',
-    'RpcTest.test_async_class_rref_proxy_async',
-    'RpcTest.test_async_class_rref_proxy_remote',
-)
-_group(
-    'rref-details',
-    'RRef._get_future() is missing',
-    'RpcTest.test_rref_timeout',
-    'TensorPipeAgentRpcTest.test_rref_proxy_timeout',
-)
-_group(
-    'rref-details',
-    'RRef._get_type() is missing',
-    'RpcTest.test_rref_type_blocking',
-    'RpcTest.test_rref_type_non_blocking',
-    'RpcTest.test_rref_type_owner_blocking',
-    'RpcTest.test_rref_type_owner_non_blocking',
-    'RpcTest.test_rref_type_slow_init',
-    'RpcTest.test_rref_type_with_error_blocking',
-    'RpcTest.test_rref_type_with_error_non_blocking',
-    'TensorPipeAgentRpcTest.test_rref_get_type_timeout_blocking',
-    'TensorPipeAgentRpcTest.test_rref_get_type_timeout_non_blocking',
-)
-_group(
-    'rref-details',
-    'a proxy call of a method that does not exist must raise AttributeError',
-    'RpcTest.test_rref_proxy_non_exist',
-)
-_group(
-    'rref-details',
-    'an RRef received as an argument is not yet confirmed_by_owner() when the function runs',
-    'RpcTest.test_user_rrefs_confirmed',
-    'RpcTest.test_user_rrefs_confirmed_remote',
-)
-_group(
-    'rref-details',
-    "pickling an RRef outside RPC must raise RuntimeError('Can not pickle rref in python pickler')",
-    'RpcTest.test_rref_py_pickle_not_supported',
-)
-_group(
-    'error-texts',
-    "a remote exception that cannot be rebuilt: torch's phrase 'Original exception on remote side was' (rrefrt raises RemoteError with the type name)",
-    'RpcTest.test_custom_exception_throw_during_reconstruction',
-)
-_group(
     'error-texts',
     "a torch op with arguments matching no schema: torch raises RuntimeError('Overloaded torch operator invoked from Python failed to match any schema'), rrefrt re-raises the op's TypeError",
     'TensorPipeAgentRpcTest.test_op_with_invalid_args',
-)
-_group(
-    'error-texts',
-    "call after shutdown / before init: torch's phrases 'RPC has not been initialized' / 'Current RPC agent is not set'",
-    'RpcTest.test_pg_init_no_rpc_init',
-    'RpcTest.test_shutdown_followed_by_rpc',
-)
-_group(
-    'error-texts',
-    "calling a function the callee cannot unpickle: torch's phrase 'RPC pickler does not serialize'",
-    'RpcTest.test_function_not_on_callee',
-)
-_group(
-    'error-texts',
-    "init_rpc with a duplicate name: torch's phrase 'is not unique' is not in rrefrt's message",
-    'RpcTest.test_duplicate_name_2',
-)
-_group(
-    'error-texts',
-    "re-init under tcp:// init: torch's test expects 'Address already in use' on rank 0 (rrefrt: 'RPC is already initialized', the phrase torch's file:// branch expects)",
-    'RpcTest.test_reinit',
-)
-_group(
-    'error-texts',
-    "to_here() on an RRef deleted by shutdown: torch's phrase 'Cannot call to_here() on it after deletion.'",
-    'RpcTest.test_use_rref_after_shutdown',
-)
-_group(
-    'error-texts',
-    "unknown destination: torch's phrase 'could not find destination'",
-    'RpcTest.test_worker_id',
 )
 _group(
     'error-types',
@@ -172,11 +55,6 @@ _group(
     'TensorPipeAgentRpcTest.test_tensorpipe_options_throw_on_timedelta_timeout',
 )
 _group(
-    'tensor-layout',
-    "non-contiguous tensors and views arrive contiguous; torch keeps strides and the view's storage",
-    'RpcTest.test_non_cont_tensors',
-)
-_group(
     'dynamic-groups',
     'init_rpc without world_size (dynamic groups) is not implemented (docs/dynamic-groups.md)',
     'TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together',
@@ -190,45 +68,6 @@ _group(
     'RRef.backward() needs distributed autograd',
     'RpcTest.test_owner_rref_backward',
     'RpcTest.test_user_rref_backward',
-)
-_group(
-    'profiling',
-    'RPC calls are not recorded in torch.autograd.profiler',
-    'RpcTest.test_profiler_export_trace',
-    'RpcTest.test_profiler_remote_events_profiled',
-    'RpcTest.test_profiler_remote_events_profiled_single_threaded',
-    'RpcTest.test_profiler_rpc_memory',
-    'RpcTest.test_profiler_rpc_record_shapes',
-    'RpcTest.test_profiler_with_async_rpc_builtin',
-    'RpcTest.test_profiler_with_async_rpc_builtin_single_threaded',
-    'RpcTest.test_profiler_with_async_rpc_udf',
-    'RpcTest.test_profiler_with_async_rpc_udf_single_threaded',
-    'RpcTest.test_profiler_with_autograd_context',
-    'RpcTest.test_profiler_with_autograd_context_single_threaded',
-    'RpcTest.test_profiler_with_remote_builtin',
-    'RpcTest.test_profiler_with_remote_builtin_single_threaded',
-    'RpcTest.test_profiler_with_remote_udf',
-    'RpcTest.test_profiler_with_remote_udf_single_threaded',
-    'RpcTest.test_profiler_with_sync_rpc_builtin',
-    'RpcTest.test_profiler_with_sync_rpc_builtin_single_threaded',
-    'RpcTest.test_profiler_with_sync_rpc_udf',
-    'RpcTest.test_profiler_with_sync_rpc_udf_single_threaded',
-    'RpcTest.test_rpc_profiling_async_function',
-    'RpcTest.test_rpc_profiling_async_function_single_threaded',
-    'RpcTest.test_rpc_profiling_remote_record_function',
-)
-_group(
-    'profiling',
-    'record_function callbacks on RPC futures (torch.ops.profiler._call_end_callbacks_on_jit_fut needs a torch C++ Future)',
-    'RpcTest.test_async_record_function_cbs_jit_call',
-    'RpcTest.test_async_record_function_double_end_callbacks',
-    'RpcTest.test_async_record_function_legacy',
-)
-_group(
-    'profiling',
-    'server-side global profiler (rpc._server_process_global_profile) and GIL profiling (rpc.enable_gil_profiling) are torch-agent features',
-    'RpcTest.test_disable_gil_profiling',
-    'RpcTest.test_server_process_global_profiler',
 )
 _group(
     'torchscript',
@@ -331,17 +170,61 @@ _group(
     'RpcTest.test_rref_str',
 )
 _group(
+    'futures-interop',
+    "torch.futures.wait_all over a failed and a hanging future: torch's collect_all completes early only on a C++-level error; "
+    "Python can only complete a torch._C.Future with a value and an unwrap hook (what torch.futures.Future.set_exception does), "
+    "so wait_all waits for the hanging call's 60 s timeout",
+    'RpcTest.test_wait_all_exit_early_builtin',
+    'RpcTest.test_wait_all_exit_early_python',
+)
+_group(
+    'dist-autograd',
+    "profiles inside torch's own torch.distributed.autograd.context() (not aliased; needs distributed autograd)",
+    'RpcTest.test_profiler_with_autograd_context',
+    'RpcTest.test_profiler_with_autograd_context_single_threaded',
+)
+_group(
     'torchscript',
-    'needs RRef._get_future() (being added) and then runs a TorchScript function remotely',
+    'record_function callbacks around a TorchScript function called over RPC (my_script_func)',
+    'RpcTest.test_async_record_function_cbs_jit_call',
+)
+_group(
+    'private',
+    "torch's agent internals: rpc._server_process_global_profile (a profiler on the server's agent threads) and "
+    "rpc.api._get_current_rpc_agent().get_debug_info() for GIL profiling",
+    'RpcTest.test_disable_gil_profiling',
+    'RpcTest.test_server_process_global_profiler',
+)
+_group(
+    'private',
+    "after the RRef phrase (which matches), serializes the RRef with torch's private internal.serialize",
+    'RpcTest.test_use_rref_after_shutdown',
+)
+_group(
+    'private',
+    "mocks rpc.api._wait_all_workers (private) to make shutdown slow and expects shutdown(timeout=0.01) to raise on every "
+    "rank; rrefrt's shutdown does not call it, and the last rank to arrive may finish within 0.01 s",
+    'RpcTest.test_wait_all_workers_timeout',
+)
+_group(
+    'torch-quirk',
+    "re-init under tcp:// init: torch raises 'Address already in use' on rank 0 only because its store is created before "
+    "its already-initialized check (a TODO in the test); rrefrt checks first and raises 'RPC is already initialized', "
+    "the phrase torch's file:// branch expects",
+    'RpcTest.test_reinit',
+)
+_group(
+    'torchscript',
+    'RRef._get_future() works; the test then runs a TorchScript function remotely',
     'RpcTest.test_rref_get_future',
 )
 _group(
     'private',
-    'torch.futures.wait_all over rrefrt futures (being fixed), then rpc.api._wait_all_workers (private)',
+    'torch.futures.wait_all over rrefrt futures works; the test then calls rpc.api._wait_all_workers (private)',
     'TensorPipeAgentRpcTest.test_wait_all_workers_sparse',
 )
 
-#: Tests that pass today and run in CI (the whole file, xfails included: about 18 s on 2
+#: Tests that pass today and run in CI (the whole file, xfails included: about 30 s on 2
 #: idle cores, about a minute on 2 cores shared by 8 people): calls of every kind, remote exceptions, RRefs passed around and
 #: proxied, async_execution, futures, sparse tensors, the RRef-context counters (through the
 #: alias's adapter). Every other passing test is listed in docs/compatibility.md.
@@ -363,14 +246,21 @@ CI_PASSING: list[str] = [
     "RpcTest.test_world_size_one",
     "RpcTest.test_rref_context_debug_info",
     "TensorPipeAgentRpcTest.test_py_sparse_tensors_in_container",
-]
-
-#: A few "being fixed" tests, run in CI as non-strict xfails: each XPASSes when its fix lands.
-CI_EXPECTED_TO_DIFFER: list[str] = [
+    # fixed in issue 12: torch.futures interop, Future checks, proxies, RRef helpers, names
     "RpcTest.test_future_wait_twice",
     "RpcTest.test_callback_none",
     "RpcTest.test_async_class_rref_proxy",
     "RpcTest.test_rref_type_blocking",
     "RpcTest.test_user_rrefs_confirmed",
     "RpcTest.test_duplicate_name_2",
+    # RPC profiling (rrefrt/profiling.py): remote events, remote() with _get_profiling_future
+    # (also to self), and an @async_execution function's nested call
+    "RpcTest.test_profiler_remote_events_profiled",
+    "RpcTest.test_profiler_with_remote_builtin",
+    "RpcTest.test_rpc_profiling_async_function",
+]
+
+#: A few "being fixed" tests, run in CI as non-strict xfails: each XPASSes when its fix lands.
+CI_EXPECTED_TO_DIFFER: list[str] = [
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc",
 ]

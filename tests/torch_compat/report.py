@@ -2,9 +2,10 @@
 
     PYTHONPATH=$PWD .venv/bin/python -m tests.torch_compat.report RESULTS.jsonl [...] > table.md
 
-Reads the JSON lines written by tests/torch_compat/run_all.py and the causes in
-tests/torch_compat/expected.py, and prints the summary counts and the per-test table
-(Markdown) that docs/compatibility.md carries. A failing test with no entry in
+Reads the JSON lines written by tests/torch_compat/run_all.py (a later file's record of a
+test replaces an earlier one's) and the causes in tests/torch_compat/expected.py, and
+prints what docs/compatibility.md carries from "## Result" on, less its notes: the summary
+counts, the causes, the failing tests by cause and the per-test table (Markdown). A failing test with no entry in
 EXPECTED_TO_DIFFER is printed as "unclassified" so that it gets one.
 """
 
@@ -36,6 +37,21 @@ def main(paths: list[str]) -> int:
     print("| --- | --- | --- |")
     for cause, n in by_cause.most_common():
         print(f"| {cause} | {n} | {CAUSES.get(cause, 'unclassified: needs a cause')} |")
+    print("\n## Why the rest fail\n")
+    for cause, n in by_cause.most_common():
+        print(f"### {cause} ({n})\n\n{CAUSES.get(cause, 'unclassified: needs a cause')}.\n")
+        reasons: dict[str, list[str]] = collections.defaultdict(list)
+        for name in sorted(records):
+            r = records[name]
+            if r["status"] in ("fail", "error") and EXPECTED_TO_DIFFER.get(name, ("unclassified", ""))[0] == cause:
+                short = name.replace("TensorPipeAgentRpcTest.", "TP.").replace("RpcTest.", "")
+                reasons[EXPECTED_TO_DIFFER.get(name, ("", "no entry in expected.py"))[1]].append(f"`{short}`")
+        for why, names in reasons.items():
+            print(f"- {why}: {', '.join(names)}")
+        print()
+    print("## Every test\n")
+    print("`rrefrt`: the outcome on rrefrt. `in CI`: run by tests/test_torch_compat.py (`yes`: must pass; "
+          "`xfail`: expected to fail until its fix lands).")
     print("\n| test | rrefrt | in CI | cause | why |")
     print("| --- | --- | --- | --- | --- |")
     for name in sorted(records):
