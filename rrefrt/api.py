@@ -22,7 +22,8 @@ from .devices import DeviceInfo, DevicePlan
 from .errors import AuthenticationError, RpcError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
-from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, resolve
+from .membership import MAX_RANKS, Membership, shutdown_dynamic
+from .rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
 from .lifecycle import shutdown_graceful
 from .rref import RRef
 from .runtime import Runtime
@@ -36,6 +37,7 @@ __all__ = [
     "rpc_async",
     "remote",
     "get_worker_info",
+    "get_worker_infos",
     "get_rpc_timeout",
     "get_debug_info",
 ]
@@ -79,6 +81,7 @@ def init_rpc(
         if state.current_or_none() is not None:
             raise RpcError("RPC is already initialized on this process; call rrefrt.shutdown() first")
         spec = resolve(options.init_method, rank, world_size)
+        dynamic = spec.world_size == DYNAMIC  # docs/dynamic-groups.md, rrefrt/membership.py
         deadline = time.monotonic() + options.init_timeout
         incarnation = random.SystemRandom().getrandbits(63)
         secret = job_secret(options)
@@ -98,13 +101,14 @@ def init_rpc(
             route_grace=min(0.5, options.heartbeat_timeout),
             max_message_size=options.max_message_size,
             secret=secret.encode() if isinstance(secret, str) else secret,
-            world_size=spec.world_size,
+            world_size=spec.world_size or MAX_RANKS,
             kind=os.environ.get("RREFRT_TRANSPORT", DEFAULT_TRANSPORT),
-            extra={"auto_inner": "zmq"},
+            # dynamic: the same-host plane forms once, at a join; later peers go through zmq
+            extra={"auto_inner": "zmq", **({"same_host": False} if dynamic else {})},
         )
         # the transport is built from the runtime's callbacks; it chooses its own endpoints
         rt = Runtime(info, options, lambda on_message, on_peer_dead: transport.create(config, on_message, on_peer_dead))
-        rdzv: Rendezvous | None = None
+        rdzv: Rendezvous | Membership | None = None
         try:
             if secret is None:
                 warn_unauthenticated(host)
@@ -112,13 +116,13 @@ def init_rpc(
             serialization.set_unpickle_allowlist(options.unpickle_allowlist)
             address = rt.transport.listen()
             rt.transport.start()
-            rdzv = Rendezvous(spec, options.init_timeout, secret, name)
+            rdzv = (Membership if dynamic else Rendezvous)(spec, options.init_timeout, secret, name)
             me = Record(name, spec.rank, spec.world_size, incarnation, address.to_wire(), {"devices": dinfo.to_meta()})
             records = rdzv.join(me, deadline)
             hosts = {r.name: r.address.get("host") for r in records}
-            rt.devices = DevicePlan.build(
-                name, {r.name: DeviceInfo.from_meta(r.name, r.meta.get("devices")) for r in records},
-                lambda peer: hosts.get(peer) == address.host,
+            same = lambda peer: hosts.get(peer) == address.host  # noqa: E731
+            rt.devices = rdzv.device_plan(records, same) if isinstance(rdzv, Membership) else DevicePlan.build(
+                name, {r.name: DeviceInfo.from_meta(r.name, r.meta.get("devices")) for r in records}, same,
             )
             rt.set_world([WorkerInfo(r.name, r.rank) for r in records])
             # current before the mesh is up: a peer that finished joining first may already
@@ -147,7 +151,9 @@ def init_rpc(
             raise
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
-        log.info("worker %r (rank %d of %d) joined the group", name, spec.rank, spec.world_size)
+        if isinstance(rdzv, Membership):
+            rdzv.follow(rt)  # members that join or leave from now on
+        log.info("worker %r (rank %d of %s) joined the group", name, spec.rank, spec.world_size or "a dynamic group")
 
 
 def job_secret(options: RpcBackendOptions) -> str | bytes | None:
@@ -200,6 +206,12 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     return state.current().worker_info(worker_name)
 
 
+def get_worker_infos() -> list[WorkerInfo]:
+    """The current members of the group, this worker included (in a dynamic group it
+    changes as workers join, leave or are evicted)."""
+    return state.current().worker_infos()
+
+
 def get_rpc_timeout() -> float:
     return state.current().options.rpc_timeout
 
@@ -226,7 +238,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         rdzv, world_size = rt.group
         error: BaseException | None = None
         try:
-            if graceful:
+            if world_size == DYNAMIC:  # leave a dynamic group: no barrier (rrefrt/membership.py)
+                limit = timeout if timeout and timeout > 0 else rt.options.shutdown_timeout
+                error = shutdown_dynamic(rt, rdzv, graceful, limit)
+            elif graceful:
                 limit = timeout if timeout and timeout > 0 else rt.options.shutdown_timeout
                 error = shutdown_graceful(rt, rdzv, world_size, limit)
         finally:
