@@ -128,6 +128,8 @@ def init_rpc(
             # current before the mesh is up: a peer that finished joining first may already
             # call us, and its function may use the API
             state.set_current(rt)
+            if isinstance(rdzv, Membership):
+                rdzv.follow(rt)  # joins, leaves and evictions from now on, the join's own included
             peers = [
                 transport.PeerSpec(r.rank, r.name, r.incarnation, transport.PeerAddress.from_wire(r.address))
                 for r in records
@@ -151,8 +153,6 @@ def init_rpc(
             raise
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
-        if isinstance(rdzv, Membership):
-            rdzv.follow(rt)  # members that join or leave from now on
         log.info("worker %r (rank %d of %s) joined the group", name, spec.rank, spec.world_size or "a dynamic group")
 
 

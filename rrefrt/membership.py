@@ -158,6 +158,14 @@ class Membership:
     def join(self, record: Record, deadline: float) -> list[Record]:
         """Claim name and rank, append our join, read the log; return every member's record
         (ours included). Raises RendezvousError with torch's "is not unique" phrase."""
+        try:
+            return self._join(record, deadline)
+        except StoreError as e:
+            raise RendezvousError(
+                f"{self.who} could not join the dynamic group: its store at {self.where} failed ({e}); the "
+                "worker that hosts it may have left") from None
+
+    def _join(self, record: Record, deadline: float) -> list[Record]:
         st = self.store
         if st.check(["rpc/init_count"]):
             raise RendezvousError(
@@ -333,11 +341,22 @@ class Membership:
             t.join(max(0.0, timeout))
 
     def leave(self, deadline: float) -> None:
-        """Append our ``leave`` (if nobody evicted us first) and release our name."""
+        """Append our ``leave`` (if nobody evicted us first) and release our name. The host
+        of the store then waits (bounded) until every other member left or was evicted:
+        the group cannot outlive its store (NOTE [Who hosts the store])."""
         self.stop_following(min(FOLLOW_S + 1.0, max(0.0, deadline - time.monotonic())))
         if self.me is None or self._store_lost:
             return
         self._end(self.me, LEAVE, LEFT)
+        if self.server is None or self._rt is None:
+            return
+        while self.members and time.monotonic() < deadline:
+            self._pass()
+        if self.members:
+            log.warning(
+                "worker %r hosts the dynamic group's store and leaves while %s remain(s): nobody can join or leave "
+                "through it any more (let them leave first, or start the job with rrefrt-run, which hosts the store)",
+                self.name, ", ".join(repr(r.name) for r in self.members.values()))
 
     def close(self, failed: bool = False) -> None:
         """Close the store client (and the store, when hosted here: NOTE [Who hosts the store])."""
@@ -381,11 +400,6 @@ def shutdown_dynamic(rt: Any, group: Membership, graceful: bool, limit: float) -
                         f"shutdown of {rt.info.name!r}: calls in flight had not finished at the timeout - a handler "
                         "that never returns? They were abandoned")
             rt.accepting = False
-            if group.server is not None and group.members:
-                log.warning(
-                    "worker %r hosts the dynamic group's store and leaves while %d member(s) remain: nobody can join "
-                    "or leave through it any more (let the store's host leave last, or start the job with rrefrt-run)",
-                    rt.info.name, len(group.members))
             group.leave(deadline)
         except RpcError as e:
             error = e

@@ -143,7 +143,9 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
             raise ValueError(f"MASTER_PORT must be an integer, got {port_s!r}") from None
     if rank is None or rank < 0:
         if "RANK" not in env:
-            raise ValueError("no rank given: pass rank=... to init_rpc or set RANK in the environment")
+            raise ValueError(  # torch's phrases, which its tests match
+                "no rank given (rank parameter missing; environment variable RANK expected): pass rank=... to "
+                "init_rpc or set RANK in the environment")
         rank = int(env["RANK"])
     if world_size is None:
         if "WORLD_SIZE" not in env:  # a dynamic group (rrefrt/membership.py): world_size 0

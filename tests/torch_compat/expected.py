@@ -18,7 +18,6 @@ CAUSES: dict[str, str] = {
     "error-texts": "being fixed (item 7): torch's phrases inside rrefrt's messages",
     "error-types": "being fixed (item 11): torch's exception types (a subclass of both is fine)",
     "tensor-layout": "open (item 5): keep strides of non-contiguous tensors",
-    "dynamic-groups": "open (item 4): design in docs/dynamic-groups.md",
     "dist-autograd": "until distributed autograd lands (being built separately)",
     "profiling": "open (item 8): RPC events in torch.autograd.profiler; expected to differ until then",
     "torchscript": "expected to differ: rrefrt does not run TorchScript RPC",
@@ -175,15 +174,6 @@ _group(
     'tensor-layout',
     "non-contiguous tensors and views arrive contiguous; torch keeps strides and the view's storage",
     'RpcTest.test_non_cont_tensors',
-)
-_group(
-    'dynamic-groups',
-    'init_rpc without world_size (dynamic groups) is not implemented (docs/dynamic-groups.md)',
-    'TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together',
-    'TensorPipeAgentRpcTest.test_dynamic_rpc_existing_rank_can_communicate_with_new_rank',
-    'TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc',
-    'TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc_without_rank',
-    'TensorPipeAgentRpcTest.test_dynamic_rpc_new_rank_can_communicated_with_existing_rank',
 )
 _group(
     'dist-autograd',
@@ -363,6 +353,7 @@ CI_PASSING: list[str] = [
     "RpcTest.test_world_size_one",
     "RpcTest.test_rref_context_debug_info",
     "TensorPipeAgentRpcTest.test_py_sparse_tensors_in_container",
+    "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc",  # 4 workers join and leave a dynamic group at once
 ]
 
 #: A few "being fixed" tests, run in CI as non-strict xfails: each XPASSes when its fix lands.
