@@ -128,14 +128,15 @@ def init_rpc(
             # current before the mesh is up: a peer that finished joining first may already
             # call us, and its function may use the API
             state.set_current(rt)
-            if isinstance(rdzv, Membership):
-                rdzv.follow(rt)  # joins, leaves and evictions from now on, the join's own included
             peers = [
                 transport.PeerSpec(r.rank, r.name, r.incarnation, transport.PeerAddress.from_wire(r.address))
                 for r in records
             ]
             try:
-                rt.transport.connect_peers(peers, max(0.1, deadline - time.monotonic()))
+                if isinstance(rdzv, Membership):  # and follows joins, leaves, evictions from now on
+                    rdzv.connect(rt, peers, max(0.1, deadline - time.monotonic()))
+                else:
+                    rt.transport.connect_peers(peers, max(0.1, deadline - time.monotonic()))
             except transport.AuthenticationFailed as e:
                 raise AuthenticationError(
                     f"{e}. Every worker of a job must use the same secret (RREFRT_SECRET or "

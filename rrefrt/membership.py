@@ -152,6 +152,7 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._store_lost = False
+        self._left = False  #: our leave is (being) appended
         self._name_claim: str | None = None  #: claimed, not yet in the log
 
     # ------------------------------------------------------------------ join (init_rpc)
@@ -226,7 +227,7 @@ class Membership:
         if ev.kind == JOIN:
             rec = Record.from_wire(ev.record)
             self.members[rec.rank] = rec
-            if self._rt is not None:
+            if self._rt is not None and not self._left:  # after our leave: only counted
                 self._joined(rec)
             return
         rec = self.members.get(ev.rank)
@@ -249,8 +250,17 @@ class Membership:
         infos = {n: dataclasses.replace(i, maps={p: m for p, m in i.maps.items() if p in infos}) for n, i in infos.items()}
         return DevicePlan.build(self.me.name, infos, is_local)
 
+    def connect(self, rt: Any, peers: list[Any], timeout: float) -> None:
+        """The joiner's mesh: register every member it read, follow the log, then wait
+        (``timeout``) for the members; those that leave or are evicted meanwhile are dropped
+        rather than waited for (the follower removes them), those that join meanwhile are
+        added. Raises what ``Transport.add_peers`` raises."""
+        rt.transport.add_peers(peers, 0)
+        self.follow(rt)
+        rt.transport.add_peers(peers, timeout)
+
     def follow(self, rt: Any) -> None:
-        """Start following the log for ``rt`` (after its mesh is up)."""
+        """Start following the log for ``rt`` (its members registered with its transport)."""
         self._rt = rt
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-{self.name}-membership", daemon=True)
         self._thread.start()
@@ -286,7 +296,7 @@ class Membership:
         while not self._stop.is_set():
             try:
                 self._pass()
-            except Exception as e:
+            except StoreError as e:
                 if self._stop.is_set():
                     return
                 self._store_lost = True
@@ -294,6 +304,11 @@ class Membership:
                     "worker %r: the dynamic group's store at %s is gone (%s); joins, leaves and evictions are no "
                     "longer seen (its host left the group)", self.name, self.where, e)
                 return
+            except Exception:  # a membership change could not be applied here: keep following
+                if self._stop.is_set():
+                    return
+                log.exception("worker %r: a membership change could not be applied", self.name)
+                self._stop.wait(FOLLOW_S)
 
     def _pass(self) -> None:
         self._evict_dead()
@@ -347,6 +362,7 @@ class Membership:
         self.stop_following(min(FOLLOW_S + 1.0, max(0.0, deadline - time.monotonic())))
         if self.me is None or self._store_lost:
             return
+        self._left = True
         self._end(self.me, LEAVE, LEFT)
         if self.server is None or self._rt is None:
             return

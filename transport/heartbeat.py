@@ -110,6 +110,9 @@ class Heartbeat:
         self._next_beat = 0.0
         self._echo_peer: dict[bytes, int] = {}  #: echo routing id -> peer id
         self._connected: dict[int, list[str]] = {}  #: peer id -> endpoints we connected to
+        #: peers that left the group (``forget``): their late messages are dropped, never
+        #: answered with FENCED (a store host still waiting after its leave is not expelled)
+        self._departed: set[int] = set()
         self._ping = wire.encode_header(wire.PING, 0, [incarnation, True])  #: what we send to echoes
         self.endpoints: list[str] = []
 
@@ -130,6 +133,7 @@ class Heartbeat:
                 if pid in self._peers:  # a new incarnation of a departed id (dynamic groups)
                     self._detach(pid)
                     self.table.replace(pid)
+                self._departed.discard(pid)
                 self._peers[pid] = (wire.routing_id(pid), inc, pname)
                 self._echo_peer[echo_id(pid)] = pid
                 for ep in (endpoint, echo):
@@ -154,6 +158,7 @@ class Heartbeat:
         disconnected (transport/zmqmesh.py, Rule 2)."""
 
         def run() -> None:
+            self._departed.add(peer)
             v = self.table.declare(peer, cause)
             if v is not None:
                 entry = self._peers.get(peer)
@@ -255,6 +260,8 @@ class Heartbeat:
         self.loop.guard(self._on_dead, "peer death handler", v)
 
     def _send_fenced(self, peer: int) -> None:
+        if peer in self._departed:
+            return
         now = time.monotonic()
         if now - self._fenced_told.get(peer, -FENCE_REPEAT_S) < FENCE_REPEAT_S:
             return

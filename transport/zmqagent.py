@@ -108,6 +108,7 @@ class ZmqTransport:
         self._peer_max: dict[int, int] = {}  #: worker id -> its max_message_size (from HELLO)
         self._local: dict[int, bool] = {}  #: worker id -> same host
         self._names: dict[int, str] = {}
+        self._adding: dict[int, int] = {}  #: id -> incarnation: add_peers issued, setup not yet run
         self._self_pending: dict[int, _Pending] = {}  #: msg_id -> request sent to ourselves
         self._all_up = threading.Event()
         self._closed = threading.Event()
@@ -422,7 +423,8 @@ class ZmqTransport:
         """Periodic (and every loop pass while joining or backlogged, via the wake hint)."""
         if not self._all_up.is_set() and self._join_error is None:
             now = time.monotonic()
-            missing = [p.spec.name for p in self._peers.values() if not p.joined and p.spec.id < self.id]
+            missing = [p.spec.name for p in self._peers.values()
+                       if not p.joined and p.spec.id < self.id and self.table.state(p.spec.id) is not PeerState.DEAD]
             err = self._policy.check_accepts(now, missing, self.endpoints)
             if err is not None:
                 self._fail_join(err)

@@ -73,6 +73,7 @@ def setup(t: "ZmqTransport", steps: Plan) -> None:
     now = time.monotonic()
     t._policy.started_at = now
     for spec, local, data, _, _ in steps:
+        t._adding.pop(spec.id, None)
         old = t._peers.get(spec.id)
         if old is not None:
             _disconnect(t, spec.id)
@@ -98,21 +99,19 @@ def _disconnect(t: "ZmqTransport", peer_id: int) -> None:
 def add_peers(t: "ZmqTransport", peers: Sequence[PeerSpec], timeout: float) -> None:
     """``Transport.add_peers`` (transport/base.py) for zmq; see the module rules."""
     t._check_usable()
-    fresh = [
-        s for s in peers
-        if s.id != t.id and not (s.id in t._peers and t._peers[s.id].spec.incarnation == s.incarnation)
-    ]
-    if not fresh:
-        return
-    steps = plan(t, fresh)
-    t._join_error = None
-    t._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
-    t._loop.call_soon(lambda: setup(t, steps))
-    t._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps])
+    known = {i: p.spec.incarnation for i, p in list(t._peers.items())} | t._adding
+    fresh = [s for s in peers if s.id != t.id and known.get(s.id) != s.incarnation]
+    if fresh:  # peers already added (the same incarnation) are only waited for
+        steps = plan(t, fresh)
+        t._adding.update({s.id: s.incarnation for s in fresh})
+        t._join_error = None
+        t._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
+        t._loop.call_soon(lambda: setup(t, steps))
+        t._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps])
     if timeout <= 0:
         return
     deadline = time.monotonic() + timeout
-    ids = {s.id for s in fresh}
+    ids = {s.id for s in peers if s.id != t.id}
     while True:
         pending = [p for p in list(t._peers.values()) if p.spec.id in ids and not t._is_up(p)
                    and t.table.state(p.spec.id) is not PeerState.DEAD]
@@ -122,7 +121,7 @@ def add_peers(t: "ZmqTransport", peers: Sequence[PeerSpec], timeout: float) -> N
         if not pending and all(i in t._peers for i in ids):
             return
         if left <= 0:
-            names = sorted(s.name for s in fresh if s.id in {p.spec.id for p in pending} or s.id not in t._peers)
+            names = sorted(s.name for s in peers if s.id in {p.spec.id for p in pending} or s.id not in t._peers)
             raise TransportError(f"worker {t.name!r} could not reach {', '.join(map(repr, names))} within {timeout:.1f}s")
         t._all_up.wait(min(left, 0.05))
 
