@@ -71,7 +71,13 @@ def init_rpc(
     world_size: int | None = None,
     rpc_backend_options: RpcBackendOptions | None = None,
 ) -> None:
-    """Join an RPC group as worker ``name``; returns once every worker is reachable."""
+    """Join an RPC group as worker ``name``; returns once every worker is reachable.
+
+    Without ``world_size`` (and without WORLD_SIZE in the environment) the worker joins a
+    *dynamic* group through the store at ``init_method``: it may start before or after the
+    others, members learn of it, and its ``shutdown()`` leaves the group without a barrier
+    (see docs/dynamic-groups.md). A name or rank already taken raises RendezvousError
+    ("... is not unique")."""
     if not isinstance(name, str) or not name or len(name) > 128 or any(c.isspace() for c in name):
         raise ValueError(f"worker name must be a non-empty string without spaces, got {name!r}")
     options = rpc_backend_options or RpcBackendOptions()
@@ -226,7 +232,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     wait for owners to drain, meet everyone at a barrier, check for leaks - all bounded by
     ``timeout`` (0: the options' shutdown_timeout); the steps are rrefrt/lifecycle.py's. Raises ShutdownError naming workers
     that never arrived, RRefLeakError for leaks in strict mode; the runtime is closed
-    either way."""
+    either way. In a dynamic group there is no barrier: the worker finishes its calls,
+    deletes its RRef users and leaves; calls to it then fail with WorkerUnavailableError."""
     rt = state.current_or_none()
     if rt is None:
         if state.inherited():

@@ -355,16 +355,17 @@ class Membership:
         if t is not None and t is not threading.current_thread():
             t.join(max(0.0, timeout))
 
-    def leave(self, deadline: float) -> None:
+    def leave(self, deadline: float, wait_for_others: bool = True) -> None:
         """Append our ``leave`` (if nobody evicted us first) and release our name. The host
-        of the store then waits (bounded) until every other member left or was evicted:
-        the group cannot outlive its store (NOTE [Who hosts the store])."""
+        of the store then waits (bounded; not in a non-graceful shutdown) until every other
+        member left or was evicted: the group cannot outlive its store (NOTE [Who hosts the
+        store])."""
         self.stop_following(min(FOLLOW_S + 1.0, max(0.0, deadline - time.monotonic())))
         if self.me is None or self._store_lost:
             return
         self._left = True
         self._end(self.me, LEAVE, LEFT)
-        if self.server is None or self._rt is None:
+        if self.server is None or self._rt is None or not wait_for_others:
             return
         while self.members and time.monotonic() < deadline:
             self._pass()
@@ -416,7 +417,7 @@ def shutdown_dynamic(rt: Any, group: Membership, graceful: bool, limit: float) -
                         f"shutdown of {rt.info.name!r}: calls in flight had not finished at the timeout - a handler "
                         "that never returns? They were abandoned")
             rt.accepting = False
-            group.leave(deadline)
+            group.leave(deadline, wait_for_others=graceful)
         except RpcError as e:
             error = e
         except Exception as e:  # the store failed under us: still close
