@@ -70,6 +70,9 @@ MAX_RANKS = 1024
 FOLLOW_S = 0.5
 #: a counted event whose record is missing this long is skipped (NOTE [Membership log])
 EVENT_GRACE_S = 5.0
+#: a member a joiner cannot reach this long (at least 3 heartbeat timeouts) is evicted
+#: rather than waited for until init_timeout (NOTE [Unreachable members])
+JOIN_GRACE_S = 10.0
 
 JOIN, LEAVE, EVICT = "join", "leave", "evict"
 LEFT = "left the group"
@@ -257,7 +260,26 @@ class Membership:
         added. Raises what ``Transport.add_peers`` raises."""
         rt.transport.add_peers(peers, 0)
         self.follow(rt)
-        rt.transport.add_peers(peers, timeout)
+        deadline = time.monotonic() + timeout
+        grace = min(timeout, max(JOIN_GRACE_S, 3 * rt.options.heartbeat_timeout))
+        try:
+            rt.transport.add_peers(peers, grace)
+            return
+        except transport.PeersUnreachable as e:
+            if time.monotonic() >= deadline:
+                raise
+            late = set(e.ids)
+        # NOTE [Unreachable members]: a member never heard from is never judged dead by the
+        # transport (it may be slow to start); one that died before we met it would be
+        # waited for until init_timeout. After the grace, the joiner evicts it.
+        for rank in late:
+            rec = self.members.get(rank)
+            if rec is not None and (rank, rec.incarnation) not in self._ended:
+                self._ended.add((rank, rec.incarnation))
+                cause = f"unreachable for {grace:.0f}s by worker {self.name!r}, which was joining"
+                rt.transport.remove_peer(rank, f"it {cause}")
+                self._end(rec, EVICT, cause)
+        rt.transport.add_peers([p for p in peers if p.id not in late], max(0.1, deadline - time.monotonic()))
 
     def follow(self, rt: Any) -> None:
         """Start following the log for ``rt`` (its members registered with its transport)."""

@@ -7,12 +7,13 @@ the test kills whatever happens). The unit tests below use no processes."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.support import ROOT, Workers, env_for, free_port
+from tests.support import ROOT, Workers, env_for, free_port, poll_for
 
 import rrefrt
 from rrefrt.membership import Event
@@ -80,3 +81,37 @@ def test_event_wire_round_trip() -> None:
 def test_get_worker_infos_needs_init() -> None:
     with pytest.raises(rrefrt.ShutdownError):
         rrefrt.get_worker_infos()
+
+
+@pytest.mark.timeout(240)
+def test_launcher_adds_workers_to_a_running_job() -> None:
+    """rrefrt-run --dynamic hosts the store and starts a worker; rrefrt-run --join adds two
+    to the running job; the host's launcher waits for the joining launcher to finish."""
+    port = free_port()
+    script = str(ROOT / "tests" / "launcher_scripts" / "dynamic_job.py")
+    workers = Workers()
+    try:
+        host = subprocess.Popen(
+            [sys.executable, "-m", "rrefrt.run", "-q", "--dynamic", "--master-port", str(port), script, "host"],
+            env=env_for(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        workers.procs.append(host)
+        poll_for(lambda: _listening(port) or host.poll() is not None, 60, "the --dynamic launcher's store")
+        joiner = subprocess.Popen(
+            [sys.executable, "-m", "rrefrt.run", "-q", "--join", f"127.0.0.1:{port}", "--nproc-per-node", "2",
+             script, "joiner"],
+            env=env_for(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        workers.procs.append(joiner)
+        (hcode, htext), (jcode, jtext) = workers.wait_all(200)
+    finally:
+        workers.kill_all()
+    assert jcode == 0, jtext[-4000:]
+    assert hcode == 0, htext[-4000:]
+    assert "HOST host0 called back ['joiner1', 'joiner2']" in htext, htext[-4000:]
+    assert jtext.count("dynamic True called back True") == 2, jtext[-4000:]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

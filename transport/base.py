@@ -121,8 +121,8 @@ class Transport(Protocol):
         """A running transport meets peers that joined later (dynamic groups): connect as
         ``connect_peers`` does, without touching the members already up. A peer whose id
         belonged to a departed member replaces it (a new incarnation). Waits at most
-        ``timeout`` seconds for them to be up (0: do not wait); raise TransportError naming
-        those that are not."""
+        ``timeout`` seconds for them to be up (0: do not wait); raise PeersUnreachable
+        naming those that are not (its ``ids``)."""
         ...
 
     def remove_peer(self, peer_id: int, cause: str) -> None:

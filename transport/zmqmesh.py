@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from . import security, wire
 from .base import PeerSpec
-from .errors import PeerUnavailable, TransportError
+from .errors import PeersUnreachable, TransportError
 from .liveness import PeerState
 from .records import Peer
 
@@ -121,8 +121,10 @@ def add_peers(t: "ZmqTransport", peers: Sequence[PeerSpec], timeout: float) -> N
         if not pending and all(i in t._peers for i in ids):
             return
         if left <= 0:
-            names = sorted(s.name for s in peers if s.id in {p.spec.id for p in pending} or s.id not in t._peers)
-            raise TransportError(f"worker {t.name!r} could not reach {', '.join(map(repr, names))} within {timeout:.1f}s")
+            late = {p.spec.id for p in pending} | (ids - set(t._peers))
+            names = sorted(s.name for s in peers if s.id in late)
+            raise PeersUnreachable(
+                f"worker {t.name!r} could not reach {', '.join(map(repr, names))} within {timeout:.1f}s", sorted(late))
         t._all_up.wait(min(left, 0.05))
 
 
@@ -141,4 +143,4 @@ def remove_peer(t: "ZmqTransport", peer_id: int, cause: str) -> None:
         pass
 
 
-__all__ = ["plan", "setup", "add_peers", "remove_peer", "PeerUnavailable", "LIVE", "ECHO"]
+__all__ = ["plan", "setup", "add_peers", "remove_peer", "LIVE", "ECHO"]
