@@ -338,6 +338,8 @@ class ZmqTransport:
     def _check_all_up(self) -> None:
         if all(self._is_up(p) or self.table.state(p.spec.id) is PeerState.DEAD for p in self._peers.values()):
             self._all_up.set()
+        elif self._join_error is None:  # a peer added later, or a new incarnation, is joining
+            self._all_up.clear()
 
     def _wake_hint(self, now: float) -> float | None:
         if (self._peers and not self._all_up.is_set()) or any(p.backlog for p in self._peers.values()):
@@ -532,7 +534,7 @@ class ZmqTransport:
 
     def _peer_died(self, pid: int, cause: str) -> None:
         peer = self._peers.get(pid)
-        if peer is None:
+        if peer is None or self.table.state(pid) is not PeerState.DEAD:  # or a new incarnation replaced it
             return
         err = PeerUnavailable(peer.spec.name, cause)
         pending, peer.pending = peer.pending, {}

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from . import security, wire
 from .base import PeerSpec
-from .errors import PeersUnreachable, TransportError
+from .errors import PeersUnreachable, PeerUnavailable, TransportError
 from .liveness import PeerState
 from .records import Peer
 
@@ -75,8 +75,13 @@ def setup(t: "ZmqTransport", steps: Plan) -> None:
     for spec, local, data, _, _ in steps:
         t._adding.pop(spec.id, None)
         old = t._peers.get(spec.id)
-        if old is not None:
+        if old is not None:  # Rule 3: what still waits on the old incarnation fails now
+            pending, old.pending = list(old.pending.values()), {}
+            for p in pending:
+                t._fail(p, PeerUnavailable(old.spec.name, "it left the group (a new incarnation of its id joined)"))
             _disconnect(t, spec.id)
+            if t.table.state(spec.id) is PeerState.DEAD:  # before the heartbeat thread's own
+                t.table.replace(spec.id)  # replace: the dead verdict must not count it as up
         t._peers[spec.id] = Peer(spec, wire.routing_id(spec.id), local, hello_due=now)
         if data is not None:
             if t._auth is not None:  # NOTE [Authentication], Rule 2 (transport.security)
