@@ -72,7 +72,7 @@ FOLLOW_S = 0.5
 EVENT_GRACE_S = 5.0
 #: a member a joiner cannot reach this long (at least 3 heartbeat timeouts) is evicted
 #: rather than waited for until init_timeout (NOTE [Unreachable members])
-JOIN_GRACE_S = 10.0
+JOIN_GRACE_S = 15.0
 
 JOIN, LEAVE, EVICT = "join", "leave", "evict"
 LEFT = "left the group"
