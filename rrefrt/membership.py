@@ -277,8 +277,9 @@ class Membership:
             if rec is not None and (rank, rec.incarnation) not in self._ended:
                 self._ended.add((rank, rec.incarnation))
                 cause = f"unreachable for {grace:.0f}s by worker {self.name!r}, which was joining"
-                rt.transport.remove_peer(rank, f"it {cause}")
                 self._end(rec, EVICT, cause)
+                if self.members.pop(rank, None) is not None:  # here at once, not when the log says so
+                    self._departed(rec, f"was evicted from the group ({cause})")
         rt.transport.add_peers([p for p in peers if p.id not in late], max(0.1, deadline - time.monotonic()))
 
     def follow(self, rt: Any) -> None:
