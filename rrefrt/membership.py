@@ -341,6 +341,7 @@ class Membership:
                 del self._skipped[k]
                 self._apply(Event.from_wire(st.get(self.key(f"event/{k}"), 1.0)))
         if st.wait([self.key(f"event/{n}")], FOLLOW_S):
+            self._skipped.pop(n, None)
             self._apply(Event.from_wire(st.get(self.key(f"event/{n}"), 1.0)))
             self._next = n + 1
         elif st.add(self.key("events"), 0) >= n:
