@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {os.getpid()} %(name)s %(levelname)s %(message)s")
 
 import rrefrt  # noqa: E402
+from tests.support import poll_for  # noqa: E402
 
 WAIT_S = 60.0  #: the bound of every wait in the scenario (generous: a loaded 2-core CI)
 _leave = threading.Event()
@@ -59,11 +60,7 @@ def _options() -> rrefrt.RpcBackendOptions:
 
 
 def _poll(pred, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + WAIT_S
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not met within {WAIT_S}s: {what}")
-        time.sleep(0.02)
+    poll_for(pred, WAIT_S, what)
 
 
 def _names() -> list[str]:

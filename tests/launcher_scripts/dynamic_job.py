@@ -7,9 +7,9 @@ calls the host right after init_rpc, waits until the host called it back, and le
 import os
 import sys
 import threading
-import time
 
 import rrefrt
+from tests.support import poll_for
 
 WAIT_S = 60.0
 _called = threading.Event()
@@ -31,9 +31,7 @@ def main() -> int:
     name = f"{role}{os.environ['RANK']}"
     rrefrt.init_rpc(name)
     if role == "host":
-        deadline = time.monotonic() + WAIT_S
-        while len(_hellos) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        poll_for(lambda: len(_hellos) >= 2, WAIT_S, "two joiners called the host")
         names = sorted(rrefrt.rpc_sync(j, call_back) for j in sorted(_hellos))
         print("HOST", name, "called back", names, flush=True)
     else:
