@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "rpc_async": "api",
     "remote": "api",
     "get_worker_info": "api",
+    "get_worker_infos": "api",
     "get_rpc_timeout": "api",
     "get_debug_info": "api",
     "RRef": "rref",
@@ -72,7 +73,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from . import functions, futures
-    from .api import get_debug_info, get_rpc_timeout, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+    from .api import (
+        get_debug_info, get_rpc_timeout, get_worker_info, get_worker_infos, init_rpc, remote, rpc_async, rpc_sync,
+        shutdown,
+    )
     from .errors import (
         AuthenticationError,
         OwnerDiedError,

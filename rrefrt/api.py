@@ -22,7 +22,8 @@ from .devices import DeviceInfo, DevicePlan
 from .errors import AuthenticationError, RpcError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
-from .rendezvous import Record, Rendezvous, RendezvousError, bind_host, resolve
+from .membership import MAX_RANKS, Membership, shutdown_dynamic
+from .rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
 from .lifecycle import shutdown_graceful
 from .rref import RRef
 from .runtime import Runtime
@@ -36,6 +37,7 @@ __all__ = [
     "rpc_async",
     "remote",
     "get_worker_info",
+    "get_worker_infos",
     "get_rpc_timeout",
     "get_debug_info",
 ]
@@ -69,7 +71,13 @@ def init_rpc(
     world_size: int | None = None,
     rpc_backend_options: RpcBackendOptions | None = None,
 ) -> None:
-    """Join an RPC group as worker ``name``; returns once every worker is reachable."""
+    """Join an RPC group as worker ``name``; returns once every worker is reachable.
+
+    Without ``world_size`` (and without WORLD_SIZE in the environment) the worker joins a
+    *dynamic* group through the store at ``init_method``: it may start before or after the
+    others, members learn of it, and its ``shutdown()`` leaves the group without a barrier
+    (see docs/dynamic-groups.md). A name or rank already taken raises RendezvousError
+    ("... is not unique")."""
     if not isinstance(name, str) or not name or len(name) > 128 or any(c.isspace() for c in name):
         raise ValueError(f"worker name must be a non-empty string without spaces, got {name!r}")
     options = rpc_backend_options or RpcBackendOptions()
@@ -79,6 +87,7 @@ def init_rpc(
         if state.current_or_none() is not None:
             raise RpcError("RPC is already initialized on this process; call rrefrt.shutdown() first")
         spec = resolve(options.init_method, rank, world_size)
+        dynamic = spec.world_size == DYNAMIC  # docs/dynamic-groups.md, rrefrt/membership.py
         deadline = time.monotonic() + options.init_timeout
         incarnation = random.SystemRandom().getrandbits(63)
         secret = job_secret(options)
@@ -98,13 +107,14 @@ def init_rpc(
             route_grace=min(0.5, options.heartbeat_timeout),
             max_message_size=options.max_message_size,
             secret=secret.encode() if isinstance(secret, str) else secret,
-            world_size=spec.world_size,
+            world_size=spec.world_size or MAX_RANKS,
             kind=os.environ.get("RREFRT_TRANSPORT", DEFAULT_TRANSPORT),
-            extra={"auto_inner": "zmq"},
+            # dynamic: the same-host plane forms once, at a join; later peers go through zmq
+            extra={"auto_inner": "zmq", **({"same_host": False} if dynamic else {})},
         )
         # the transport is built from the runtime's callbacks; it chooses its own endpoints
         rt = Runtime(info, options, lambda on_message, on_peer_dead: transport.create(config, on_message, on_peer_dead))
-        rdzv: Rendezvous | None = None
+        rdzv: Rendezvous | Membership | None = None
         try:
             if secret is None:
                 warn_unauthenticated(host)
@@ -112,13 +122,13 @@ def init_rpc(
             serialization.set_unpickle_allowlist(options.unpickle_allowlist)
             address = rt.transport.listen()
             rt.transport.start()
-            rdzv = Rendezvous(spec, options.init_timeout, secret, name)
+            rdzv = (Membership if dynamic else Rendezvous)(spec, options.init_timeout, secret, name)
             me = Record(name, spec.rank, spec.world_size, incarnation, address.to_wire(), {"devices": dinfo.to_meta()})
             records = rdzv.join(me, deadline)
             hosts = {r.name: r.address.get("host") for r in records}
-            rt.devices = DevicePlan.build(
-                name, {r.name: DeviceInfo.from_meta(r.name, r.meta.get("devices")) for r in records},
-                lambda peer: hosts.get(peer) == address.host,
+            same = lambda peer: hosts.get(peer) == address.host  # noqa: E731
+            rt.devices = rdzv.device_plan(records, same) if isinstance(rdzv, Membership) else DevicePlan.build(
+                name, {r.name: DeviceInfo.from_meta(r.name, r.meta.get("devices")) for r in records}, same,
             )
             rt.set_world([WorkerInfo(r.name, r.rank) for r in records])
             # current before the mesh is up: a peer that finished joining first may already
@@ -129,7 +139,10 @@ def init_rpc(
                 for r in records
             ]
             try:
-                rt.transport.connect_peers(peers, max(0.1, deadline - time.monotonic()))
+                if isinstance(rdzv, Membership):  # and follows joins, leaves, evictions from now on
+                    rdzv.connect(rt, peers, max(0.1, deadline - time.monotonic()))
+                else:
+                    rt.transport.connect_peers(peers, max(0.1, deadline - time.monotonic()))
             except transport.AuthenticationFailed as e:
                 raise AuthenticationError(
                     f"{e}. Every worker of a job must use the same secret (RREFRT_SECRET or "
@@ -148,7 +161,7 @@ def init_rpc(
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
         _profiling.install()  # when torch is imported: RPC calls show in its profiler
-        log.info("worker %r (rank %d of %d) joined the group", name, spec.rank, spec.world_size)
+        log.info("worker %r (rank %d of %s) joined the group", name, spec.rank, spec.world_size or "a dynamic group")
 
 
 def job_secret(options: RpcBackendOptions) -> str | bytes | None:
@@ -207,6 +220,12 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     return state.current().worker_info(worker_name)
 
 
+def get_worker_infos() -> list[WorkerInfo]:
+    """The current members of the group, this worker included (in a dynamic group it
+    changes as workers join, leave or are evicted)."""
+    return state.current().worker_infos()
+
+
 def get_rpc_timeout() -> float:
     return state.current().options.rpc_timeout
 
@@ -220,7 +239,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     wait for owners to drain, meet everyone at a barrier, check for leaks - all bounded by
     ``timeout`` (0: the options' shutdown_timeout); the steps are rrefrt/lifecycle.py's. Raises ShutdownError naming workers
     that never arrived, RRefLeakError for leaks in strict mode; the runtime is closed
-    either way."""
+    either way. In a dynamic group there is no barrier: the worker finishes its calls,
+    deletes its RRef users and leaves; calls to it then fail with WorkerUnavailableError."""
     rt = state.current_or_none()
     if rt is None:
         if state.inherited():
@@ -233,7 +253,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         rdzv, world_size = rt.group
         error: BaseException | None = None
         try:
-            if graceful:
+            if world_size == DYNAMIC:  # leave a dynamic group: no barrier (rrefrt/membership.py)
+                limit = timeout if timeout and timeout > 0 else rt.options.shutdown_timeout
+                error = shutdown_dynamic(rt, rdzv, graceful, limit)
+            elif graceful:
                 limit = timeout if timeout and timeout > 0 else rt.options.shutdown_timeout
                 error = shutdown_graceful(rt, rdzv, world_size, limit)
         finally:

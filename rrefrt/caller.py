@@ -138,7 +138,7 @@ class Caller:
         (``reply=True``: a call's result, a fetched value), the inverse of ``dest``'s map to
         us (NOTE [Device maps] in rrefrt/devices.py)."""
         rt = self.rt
-        plan, peer = rt.devices, rt.workers_by_id[dest].name
+        plan, peer = rt.devices, rt.worker_name(dest)  # a member may leave meanwhile (dynamic groups)
         route = None if plan is None else (plan.reply_route(peer) if reply else plan.request_route(peer))
         try:
             return ser.dumps(obj, lambda r: self.fork(r, dest), route=route)

@@ -113,6 +113,10 @@ class Record:
                    dict(d.get("address") or {}), dict(d.get("meta") or {}))
 
 
+#: GroupSpec.world_size of a dynamic group (init_rpc without world_size; docs/dynamic-groups.md)
+DYNAMIC = 0
+
+
 @dataclass
 class GroupSpec:
     master_addr: str
@@ -152,14 +156,13 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
             raise ValueError(f"MASTER_PORT must be an integer, got {port_s!r}") from None
     if rank is None or rank < 0:
         if "RANK" not in env:
-            raise ValueError("no rank given: pass rank=... to init_rpc or set RANK in the environment")
+            raise ValueError(  # torch's phrases, which its tests match
+                "no rank given (rank parameter missing; environment variable RANK expected): pass rank=... to "
+                "init_rpc or set RANK in the environment")
         rank = int(env["RANK"])
     if world_size is None:
-        if "WORLD_SIZE" not in env:
-            raise ValueError(
-                "no world_size given and WORLD_SIZE is not set: dynamic groups (world_size=None) are "
-                "planned but not supported yet; pass world_size=... to init_rpc"
-            )
+        if "WORLD_SIZE" not in env:  # a dynamic group (rrefrt/membership.py): world_size 0
+            return GroupSpec(addr, port, rank, DYNAMIC, file_path)
         world_size = int(env["WORLD_SIZE"])
     if world_size < 1 or rank < 0:
         raise ValueError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
@@ -570,5 +573,5 @@ class Rendezvous:
             self.server = None
 
 
-__all__ = ["Record", "GroupSpec", "Rendezvous", "RendezvousError", "InvalidRankError", "TorchStore",
+__all__ = ["Record", "GroupSpec", "DYNAMIC", "Rendezvous", "RendezvousError", "InvalidRankError", "TorchStore",
            "resolve", "bind_host", "host_id"]

@@ -104,6 +104,9 @@ class Runtime:
         self.callbacks = BoundPool(self, f"rrefrt-{info.name}-callback", 4)
         self.workers_by_id: dict[int, WorkerInfo] = {info.id: info}
         self.workers_by_name: dict[str, WorkerInfo] = {info.name: info}
+        #: dynamic groups: name -> why a former member is gone ("left the group", ...); a
+        #: later call to it fails with WorkerUnavailableError saying so (rrefrt/membership.py)
+        self.departed: dict[str, str] = {}
         #: the runtime's own counters (bad_frames_dropped, duplicate_calls_dropped,
         #: control_retries), merged with the transport's in get_debug_info
         self.stats: collections.Counter = collections.Counter()
@@ -140,10 +143,29 @@ class Runtime:
             self.workers_by_id[w.id] = w
             self.workers_by_name[w.name] = w
 
+    def forget_worker(self, w: WorkerInfo, reason: str) -> None:
+        """Dynamic groups: ``w`` left or was evicted; lookups of it fail, saying ``reason``."""
+        self.departed[w.name] = reason
+        if self.workers_by_name.get(w.name) == w:
+            del self.workers_by_name[w.name]
+        if self.workers_by_id.get(w.id) == w:
+            del self.workers_by_id[w.id]
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        """The current members, this worker included, by id."""
+        return sorted(self.workers_by_id.values(), key=lambda w: w.id)
+
     # ------------------------------------------------------------------ lookups
     def worker_info(self, to: Any = None) -> WorkerInfo:
         if to is None:
             return self.info
+        if self.departed:
+            gone = to.name if isinstance(to, WorkerInfo) else to if isinstance(to, str) else None
+            if gone in self.departed and gone not in self.workers_by_name:
+                raise WorkerUnavailableError(
+                    f"worker {gone!r} {self.departed[gone]}: it is no longer a member of this RPC group "
+                    "(could not find destination)"
+                )
         if isinstance(to, WorkerInfo):
             w = self.workers_by_id.get(to.id)
             if w is None or w.name != to.name:

@@ -23,6 +23,7 @@ from .errors import (
     Fenced,
     MessageTooLarge,
     PeerUnavailable,
+    PeersUnreachable,
     RequestTimeout,
     TransportError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "Fenced",
     "MessageTooLarge",
     "PeerUnavailable",
+    "PeersUnreachable",
     "RequestTimeout",
     "TransportError",
     "FIRST_APP_KIND",

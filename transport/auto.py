@@ -128,6 +128,21 @@ class AutoTransport:
             return
         self._local_ids = frozenset(p.id for p in local)
 
+    def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
+        """Dynamic groups: peers met after the join go through the inner transport only
+        (the same-host plane is formed once, at the join; docs/dynamic-groups.md)."""
+        ids = {p.id for p in peers}
+        with self._dead_lock:
+            self._dead.difference_update(ids)  # a departed id may come back
+        self._local_ids = self._local_ids - ids
+        self.inner.add_peers(peers, timeout)
+
+    def remove_peer(self, peer_id: int, cause: str) -> None:
+        """Dynamic groups: both paths drop ``peer_id``; ``on_peer_dead`` runs once (``_died``)."""
+        if self.local is not None and peer_id in self._local_ids:
+            self.local.remove_peer(peer_id, cause)
+        self.inner.remove_peer(peer_id, cause)
+
     # ------------------------------------------------------------------ routing
     def _via(self, dest: int) -> Transport:
         local = self.local

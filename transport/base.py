@@ -16,9 +16,10 @@ Theory of operation:
    hosts, a same-host data plane) is the transport's business, never the runtime's.
 3. ``connect_peers(peers, timeout)`` joins the mesh. From then on the runtime sends with
    ``request`` / ``send`` / ``respond`` and asks questions: ``is_alive``, ``is_local``,
-   ``dead_peers``. Callbacks (``on_message``, a request's ``on_done``, ``on_peer_dead``)
-   run on a transport thread and must only hand work on; a callback that raises is logged
-   and never takes that thread down.
+   ``dead_peers``. In a dynamic group ``add_peers`` / ``remove_peer`` change the mesh
+   of a running transport (docs/dynamic-groups.md). Callbacks (``on_message``, a request's
+   ``on_done``, ``on_peer_dead``) run on a transport thread and must only hand work on; a
+   callback that raises is logged and never takes that thread down.
 4. ``close()`` never hangs and fails every pending request.
 """
 
@@ -114,6 +115,21 @@ class Transport(Protocol):
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Join the mesh; raise TransportError (AuthenticationFailed) naming who is missing."""
+        ...
+
+    def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
+        """A running transport meets peers that joined later (dynamic groups): connect as
+        ``connect_peers`` does, without touching the members already up. A peer whose id
+        belonged to a departed member replaces it (a new incarnation). Waits at most
+        ``timeout`` seconds for them to be up (0: do not wait); raise PeersUnreachable
+        naming those that are not (its ``ids``)."""
+        ...
+
+    def remove_peer(self, peer_id: int, cause: str) -> None:
+        """A member left the group (or was evicted): fail its pending requests with
+        ``PeerUnavailable(name, cause)``, drop its late messages, report it through
+        ``on_peer_dead(peer_id, cause)`` once, and stop reconnecting to it. Unlike a death
+        verdict nobody is told (no notices, no fencing: it is leaving anyway). Idempotent."""
         ...
 
     def request(

@@ -56,3 +56,11 @@ class AuthenticationFailed(TransportError):
     def __init__(self, message: str, peers: list[str]) -> None:
         super().__init__(message)
         self.peers = list(peers)
+
+
+class PeersUnreachable(TransportError):
+    """``add_peers`` ran out of time: ``ids`` are the peers that were not up (dynamic groups)."""
+
+    def __init__(self, message: str, ids: list[int]) -> None:
+        super().__init__(message)
+        self.ids = list(ids)

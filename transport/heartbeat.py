@@ -109,6 +109,10 @@ class Heartbeat:
         self._probe_until = 0.0  #: probe every route every PROBE_S until then (Rule 3)
         self._next_beat = 0.0
         self._echo_peer: dict[bytes, int] = {}  #: echo routing id -> peer id
+        self._connected: dict[int, list[str]] = {}  #: peer id -> endpoints we connected to
+        #: peers that left the group (``forget``): their late messages are dropped, never
+        #: answered with FENCED (a store host still waiting after its leave is not expelled)
+        self._departed: set[int] = set()
         self._ping = wire.encode_header(wire.PING, 0, [incarnation, True])  #: what we send to echoes
         self.endpoints: list[str] = []
 
@@ -126,6 +130,10 @@ class Heartbeat:
 
         def setup() -> None:
             for pid, pname, inc, endpoint, echo in peers:
+                if pid in self._peers:  # a new incarnation of a departed id (dynamic groups)
+                    self._detach(pid)
+                    self.table.replace(pid)
+                self._departed.discard(pid)
                 self._peers[pid] = (wire.routing_id(pid), inc, pname)
                 self._echo_peer[echo_id(pid)] = pid
                 for ep in (endpoint, echo):
@@ -134,6 +142,7 @@ class Heartbeat:
                     if self._auth is not None:
                         security.configure_client(self._sock, self._auth, pid)
                     self._sock.connect(ep)
+                    self._connected.setdefault(pid, []).append(ep)
             self.table.add(p[0] for p in peers)
             self._probe_until = time.monotonic() + 3600.0  # until the join ends: see _tick
 
@@ -143,6 +152,28 @@ class Heartbeat:
     def declare(self, peer: int, cause: str) -> None:
         """Declare ``peer`` dead on this worker's own evidence (tells the others)."""
         self._schedule(lambda: self._verdict(self.table.declare(peer, cause), tell=True))
+
+    def forget(self, peer: int, cause: str) -> None:
+        """A member left the group (dynamic groups): dead here, nobody told, its endpoints
+        disconnected (transport/zmqmesh.py, Rule 2)."""
+
+        def run() -> None:
+            self._departed.add(peer)
+            v = self.table.declare(peer, cause)
+            if v is not None:
+                entry = self._peers.get(peer)
+                log.info("worker %r dropped worker %r: %s", self.name, entry[2] if entry else peer, cause)
+                self.loop.guard(self._on_dead, "peer death handler", v)
+            self._detach(peer)
+
+        self._schedule(run)
+
+    def _detach(self, peer: int) -> None:
+        for ep in self._connected.pop(peer, []):
+            try:
+                self._sock.disconnect(ep)
+            except zmq.ZMQError:  # libzmq forgot it already
+                pass
 
     def tell_fenced(self, peer: int) -> None:
         """A message came from dead ``peer``: answer FENCED (rate-limited)."""
@@ -229,6 +260,8 @@ class Heartbeat:
         self.loop.guard(self._on_dead, "peer death handler", v)
 
     def _send_fenced(self, peer: int) -> None:
+        if peer in self._departed:
+            return
         now = time.monotonic()
         if now - self._fenced_told.get(peer, -FENCE_REPEAT_S) < FENCE_REPEAT_S:
             return

@@ -165,6 +165,19 @@ class InprocTransport:
         for p in peers:
             self._names[p.id] = p.name
 
+    def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
+        """Dynamic groups: a peer met later (a departed id comes back as a new member)."""
+        for p in peers:
+            self._names[p.id] = p.name
+            self._dead.discard(p.id)
+
+    def remove_peer(self, peer_id: int, cause: str) -> None:
+        """Dynamic groups: ``peer_id`` left; its pending requests fail (on the hub thread)."""
+        try:
+            self.hub.schedule(0.0, lambda: self._peer_died(peer_id, cause))
+        except AgentClosed:
+            pass
+
     # ------------------------------------------------------------------ sending
     def request(self, dest: int, kind: int, meta: Any, frames: Sequence[Any], timeout: float, on_done: OnDone,
                 label: str = "") -> int:

@@ -126,6 +126,11 @@ class LivenessTable:
             for p in peers:
                 self._peers.setdefault(p, _Entry(heard_at=now))
 
+    def replace(self, peer: int) -> None:
+        """A new incarnation of ``peer`` joins (dynamic groups): judged afresh, JOINING."""
+        with self._lock:
+            self._peers[peer] = _Entry(heard_at=self._clock())
+
     def heard(self, peer: int) -> None:
         with self._lock:
             e = self._peers.get(peer)

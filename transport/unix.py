@@ -301,6 +301,19 @@ class UnixTransport(Loop):
     def dead_peers(self) -> set[int]:
         return {i for i, p in list(self._peers.items()) if p.state == "dead"}
 
+    def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
+        """Not supported: the socket file serves the join only (``connect_peers``), so peers
+        that join later cannot be admitted; the composite transport sends them through its
+        inner one (transport/auto.py, docs/dynamic-groups.md)."""
+        raise TransportError(
+            f"worker {self.name!r}: the same-host transport forms its mesh once, at the join; peers that "
+            "join a running group go through the zmq (or auto) transport"
+        )
+
+    def remove_peer(self, peer_id: int, cause: str) -> None:
+        """Dynamic groups: ``peer_id`` left; its requests fail, its segments are reclaimed."""
+        self.declare_dead(peer_id, cause)
+
     def declare_dead(self, peer_id: int, cause: str) -> None:
         """Fence ``peer_id`` on another's verdict (the composite transport's inner liveness):
         its pending requests fail, its segments are reclaimed (on the receiver thread)."""

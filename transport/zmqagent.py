@@ -71,7 +71,7 @@ from typing import Any, Callable, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import base, security, wire
+from . import base, security, wire, zmqmesh
 from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig
 from .errors import AgentClosed, AuthenticationFailed, Fenced, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
 from .echo import Echo
@@ -81,12 +81,11 @@ from .joinpolicy import JoinPolicy
 from .liveness import LivenessTable, PeerState, Verdict
 from .records import ZERO_COPY_MIN, Pending as _Pending, Peer as _Peer, nbytes as _nbytes, snapshot
 from .loop import IOLoop, LoopClosed
+from .zmqmesh import ECHO, LIVE  # suffixes of the heartbeat / echo endpoints in a PeerAddress
 
 log = logging.getLogger("rrefrt.transport")
 
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
-LIVE = "-live"  #: suffix of the heartbeat endpoints in a PeerAddress ("tcp-live", "ipc-live")
-ECHO = "-echo"  #: suffix of the echo endpoints ("tcp-echo", "ipc-echo")
 
 
 class ZmqTransport:
@@ -113,6 +112,7 @@ class ZmqTransport:
         self._peer_max: dict[int, int] = {}  #: worker id -> its max_message_size (from HELLO)
         self._local: dict[int, bool] = {}  #: worker id -> same host
         self._names: dict[int, str] = {}
+        self._adding: dict[int, int] = {}  #: id -> incarnation: add_peers issued, setup not yet run
         self._self_pending: dict[int, _Pending] = {}  #: msg_id -> request sent to ourselves
         self._all_up = threading.Event()
         self._closed = threading.Event()
@@ -192,35 +192,8 @@ class ZmqTransport:
         AuthenticationFailed naming those that fail the handshake (NOTE [Handshake failures]),
         or at once ``Fenced`` naming the member that expelled this worker meanwhile."""
         self._check_usable()
-        if self._auth is not None:
-            for spec in peers:
-                if not 0 <= spec.id < self._auth.world_size:
-                    raise TransportError(f"worker {spec.name!r} has id {spec.id}, outside the job's {self._auth.world_size} keys")
-        others = [s for s in peers if s.id != self.id]
-        plan: list[tuple[PeerSpec, bool, str | None, str | None, str]] = []
-        for spec in others:
-            eps = spec.address.endpoints
-            local = self.config.same_host and spec.address.host == self.host
-            scheme = "ipc" if local and "ipc" in eps and self._ipc is not None else "tcp"
-            if scheme + ECHO not in eps or (spec.id > self.id and (scheme not in eps or scheme + LIVE not in eps)):
-                raise TransportError(f"worker {spec.name!r} published no {scheme} endpoints: {sorted(eps)}")
-            data, live = (eps[scheme], eps[scheme + LIVE]) if spec.id > self.id else (None, None)
-            plan.append((spec, local, data, live, eps[scheme + ECHO]))
-            self._local[spec.id], self._names[spec.id] = local, spec.name
-
-        def setup() -> None:
-            now = time.monotonic()
-            self._policy.started_at = now
-            for spec, local, data, _, _ in plan:
-                self._peers[spec.id] = _Peer(spec, wire.routing_id(spec.id), local, hello_due=now)
-                if data is not None:
-                    if self._auth is not None:  # NOTE [Authentication], Rule 2
-                        security.configure_client(self._sock, self._auth, spec.id)
-                    self._policy.connects[data] = (spec.id, spec.name)
-                    self._sock.connect(data)
-            self._check_all_up()
-
-        self._loop.call_soon(setup)
+        plan = zmqmesh.plan(self, peers)
+        self._loop.call_soon(lambda: zmqmesh.setup(self, plan))
         self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan])
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
@@ -230,6 +203,14 @@ class ZmqTransport:
         if not joined:
             missing = ", ".join(sorted(repr(p.spec.name) for p in list(self._peers.values()) if not self._is_up(p)))
             raise TransportError(f"worker {self.name!r} could not reach {missing or 'its peers'} within {timeout:.1f}s")
+
+    def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
+        """Peers that joined a running group (transport/zmqmesh.py)."""
+        zmqmesh.add_peers(self, peers, timeout)
+
+    def remove_peer(self, peer_id: int, cause: str) -> None:
+        """A member left or was evicted (transport/zmqmesh.py, Rule 2)."""
+        zmqmesh.remove_peer(self, peer_id, cause)
 
     # ------------------------------------------------------------------ API (any thread)
     def request(
@@ -361,6 +342,8 @@ class ZmqTransport:
     def _check_all_up(self) -> None:
         if all(self._is_up(p) or self.table.state(p.spec.id) is PeerState.DEAD for p in self._peers.values()):
             self._all_up.set()
+        elif self._join_error is None:  # a peer added later, or a new incarnation, is joining
+            self._all_up.clear()
 
     def _wake_hint(self, now: float) -> float | None:
         if (self._peers and not self._all_up.is_set()) or any(p.backlog for p in self._peers.values()):
@@ -446,7 +429,8 @@ class ZmqTransport:
         """Periodic (and every loop pass while joining or backlogged, via the wake hint)."""
         if not self._all_up.is_set() and self._join_error is None:
             now = time.monotonic()
-            missing = [p.spec.name for p in self._peers.values() if not p.joined and p.spec.id < self.id]
+            missing = [p.spec.name for p in self._peers.values()
+                       if not p.joined and p.spec.id < self.id and self.table.state(p.spec.id) is not PeerState.DEAD]
             err = self._policy.check_accepts(now, missing, self.endpoints)
             if err is not None:
                 self._fail_join(err)
@@ -554,7 +538,7 @@ class ZmqTransport:
 
     def _peer_died(self, pid: int, cause: str) -> None:
         peer = self._peers.get(pid)
-        if peer is None:
+        if peer is None or self.table.state(pid) is not PeerState.DEAD:  # or a new incarnation replaced it
             return
         err = PeerUnavailable(peer.spec.name, cause)
         pending, peer.pending = peer.pending, {}

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--node-timeout", "--node_timeout", type=float, default=30.0,
                      metavar="S",
                      help="seconds of silence after which a node is declared lost (default 30)")
+    job.add_argument("--dynamic", action="store_true",
+                     help="start a dynamic job: host the store, start workers without WORLD_SIZE "
+                          "(workers may join and leave; see docs/dynamic-groups.md)")
+    job.add_argument("--join", default=None, metavar="HOST:PORT",
+                     help="add this node's workers to the running dynamic job whose store "
+                          "listens at HOST:PORT")
     dev = p.add_argument_group("devices")
     dev.add_argument("--gpus", type=_gpus, default=None, metavar="G",
                      help="use the first G visible GPUs (default 'auto': all of them)")
@@ -69,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--grace-period", "--grace_period", type=float, default=5.0, metavar="S",
                      help="seconds between SIGTERM and SIGKILL when stopping workers "
                           "(default 5)")
+    sup.add_argument("--on-failure", "--on_failure", choices=("stop", "continue"),
+                     default="auto",
+                     help="when a worker fails: stop the job (the default), or continue "
+                          "(the default with --dynamic / --join: the group evicts it)")
     sup.add_argument("--log-dir", "--log_dir", default=None, metavar="D",
                      help="write each rank's output to D/rank<N>.log instead of "
                           "prefixing it with [rank N] on this terminal")
@@ -97,7 +107,8 @@ def parse_config(argv: Sequence[str]) -> tuple[LaunchConfig, argparse.Namespace]
         cpu_threads_per_worker=ns.cpu_threads_per_worker, log_dir=ns.log_dir,
         start_method=ns.start_method, rdzv_timeout=ns.rdzv_timeout,
         node_timeout=ns.node_timeout, grace_period=ns.grace_period,
-        tail_lines=ns.tail_lines, quiet=ns.quiet)
+        tail_lines=ns.tail_lines, quiet=ns.quiet, dynamic=ns.dynamic, join=ns.join,
+        on_failure=ns.on_failure)
     return cfg, ns
 
 

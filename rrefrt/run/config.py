@@ -58,6 +58,17 @@ class LaunchConfig:
     grace_period: float = 5.0  #: seconds between SIGTERM and SIGKILL when stopping workers
     tail_lines: int = 20  #: lines of a failed worker's output in the report
     quiet: bool = False  #: no header, assignment table or summary (reports still print)
+    dynamic: bool = False  #: host a dynamic group: workers get no WORLD_SIZE (rrefrt/run/dynamic.py)
+    join: str | None = None  #: HOST:PORT of a running dynamic job's store: add workers to it
+    on_failure: str = "auto"  #: "stop" the job when a worker fails, "continue", or "auto"
+
+    @property
+    def dynamic_mode(self) -> bool:
+        return self.dynamic or self.join is not None
+
+    @property
+    def stop_on_failure(self) -> bool:
+        return self.on_failure == "stop" or (self.on_failure == "auto" and not self.dynamic_mode)
 
     @property
     def multi_node(self) -> bool:
@@ -105,6 +116,7 @@ class LaunchConfig:
         if not self.grace_period >= 0:
             raise UsageError(f"--grace-period must be >= 0 seconds (got {self.grace_period})")
         _at_least("--tail-lines", self.tail_lines, 0, "")
+        self._validate_dynamic()
         self._validate_target()
         if self.log_dir is not None:
             try:
@@ -113,6 +125,22 @@ class LaunchConfig:
                 raise UsageError(f"--log-dir {self.log_dir!r} cannot be created: {e}") from None
             if not os.access(self.log_dir, os.W_OK):
                 raise UsageError(f"--log-dir {self.log_dir!r} is not writable")
+
+    def _validate_dynamic(self) -> None:
+        if self.on_failure not in ("auto", "stop", "continue"):
+            raise UsageError(f"--on-failure {self.on_failure!r}: choose stop or continue")
+        if not self.dynamic_mode:
+            return
+        if self.dynamic and self.join is not None:
+            raise UsageError("--dynamic starts a dynamic job and --join adds workers to one: give one of them")
+        if self.multi_node:
+            raise UsageError("--dynamic / --join run one launcher per node (no --nnodes): start "
+                             "`rrefrt-run --join HOST:PORT` on every other node")
+        if self.join is not None:
+            host, _, port = self.join.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UsageError(f"--join {self.join!r}: expected HOST:PORT of the job's store "
+                                 "(the --dynamic launcher prints it)")
 
     def _validate_target(self) -> None:
         if not self.script:

@@ -37,6 +37,7 @@ from types import FrameType
 from rrefrt.store import PortInUseError, StoreClient, StoreError, StoreServer
 
 from . import report
+from .dynamic import DynamicJob, parse_join
 from .config import LaunchConfig, LaunchError, UsageError
 from .devices import DevicePlan, plan_devices, usable_cores, visible_gpus
 from .output import Console, OutputPump, tail_of_file
@@ -88,6 +89,8 @@ class Supervisor:
         self._pump: OutputPump | None = None
         self._world: World | None = None
         self._lost_nodes: set[int] = set()  #: nodes declared lost (node 0 only)
+        self._dyn: DynamicJob | None = None  #: --dynamic / --join (rrefrt/run/dynamic.py)
+        self._dyn_failed = False  #: a worker failed and the job went on (--on-failure continue)
 
     # ---- launch --------------------------------------------------------------------
 
@@ -117,13 +120,18 @@ class Supervisor:
         for w in plan.warnings:
             log.warning("%s", w)
         secret = self.environ.get("RREFRT_SECRET") or None
-        if secret is None and not cfg.multi_node:
+        if secret is None and cfg.dynamic_mode:
+            log.warning("RREFRT_SECRET is not set: the workers of this dynamic job get no per-job secret "
+                        "(set the same RREFRT_SECRET for the --dynamic launcher and every --join)")
+        elif secret is None and not cfg.multi_node:
             secret = secrets.token_hex(32)
         elif secret is None and cfg.is_master:
             log.warning("RREFRT_SECRET is not set: the workers of this multi-node job get no "
                         "shared per-job secret (set the same RREFRT_SECRET on every node)")
         addr, port = cfg.resolved_master_addr, cfg.resolved_master_port
-        if cfg.is_master:
+        if cfg.join is not None:
+            addr, port = parse_join(cfg.join)
+        elif cfg.is_master:
             self._store = self._host_store(addr, port)
             port = self._store.port
         where = f"{addr}:{port}"
@@ -132,10 +140,14 @@ class Supervisor:
         except StoreError as e:
             raise LaunchError(f"node 0 never arrived: {e}") from None
         me = local_node_info(cfg.node_rank, cfg.nnodes, cfg.nproc_per_node, secret)
-        try:
-            self._world = rendezvous(self._client, me, where, cfg.rdzv_timeout)
-        except StoreError as e:
-            raise LaunchError(f"lost the rendezvous store at {where}: {e}") from None
+        if cfg.dynamic_mode:  # no node rendezvous: ranks come from the store's counter
+            self._dyn = DynamicJob(self._client, cfg.nproc_per_node, cfg.join is not None, addr, port)
+            self._world = World((me,), 0)
+        else:
+            try:
+                self._world = rendezvous(self._client, me, where, cfg.rdzv_timeout)
+            except StoreError as e:
+                raise LaunchError(f"lost the rendezvous store at {where}: {e}") from None
         self._print_header(plan, where)
         self._spawn_all(plan, addr, port, secret)
         if cfg.multi_node:
@@ -163,12 +175,13 @@ class Supervisor:
             return
         world = self._world
         assert world is not None
-        first, n = world.rank_offset, self.cfg.nproc_per_node
-        hosted = " (hosted here)" if self.cfg.is_master else ""
+        first, n = self._first_rank(), self.cfg.nproc_per_node
+        hosted = " (hosted here)" if self.cfg.is_master and self.cfg.join is None else ""
+        size = ("a dynamic group" if self.cfg.dynamic_mode else f"world size {world.world_size}")
         self.console.message(
             f"rrefrt-run: node {self.cfg.node_rank} of {self.cfg.nnodes} (host {self.host}): "
-            f"{n} worker{'s' if n != 1 else ''}, ranks {first}-{first + n - 1} of world size "
-            f"{world.world_size}; store {where}{hosted}")
+            f"{n} worker{'s' if n != 1 else ''}, ranks {first}-{first + n - 1} of {size}; "
+            f"store {where}{hosted}")
         if plan.visible:
             k = self.cfg.max_workers_per_gpu
             self.console.message(f"rrefrt-run: GPUs visible: {', '.join(plan.visible)} (from "
@@ -182,6 +195,10 @@ class Supervisor:
         for note in plan.notes:
             self.console.message(f"rrefrt-run: {note}")
 
+    def _first_rank(self) -> int:
+        assert self._world is not None
+        return self._dyn.first_rank if self._dyn is not None else self._world.rank_offset
+
     def _spawn_all(self, plan: DevicePlan, addr: str, port: int, secret: str | None) -> None:
         world, cfg = self._world, self.cfg
         assert world is not None
@@ -189,12 +206,14 @@ class Supervisor:
         self._pump = OutputPump(self.console, cfg.tail_lines)
         self._spawning = True  # from here on, signals are handled by the loop
         for dev in plan.workers:
-            rank = world.rank_offset + dev.local_rank
+            rank = self._first_rank() + dev.local_rank
             env = worker_environ(
                 self.environ, rank=rank, local_rank=dev.local_rank,
                 world_size=world.world_size, local_world_size=cfg.nproc_per_node,
                 node_rank=cfg.node_rank, master_addr=addr, master_port=port, secret=secret,
                 device_env=dev.environ(), watchdog=f"{os.getpid()}:{self._watch_r}")
+            if cfg.dynamic_mode:
+                env.pop("WORLD_SIZE")  # init_rpc joins a dynamic group
             log_path = (os.path.join(cfg.log_dir, f"rank{rank}.log")
                         if cfg.log_dir is not None else None)
             spec = WorkerSpec(rank, dev.local_rank, cfg.node_rank, argv, env, log_path)
@@ -292,7 +311,12 @@ class Supervisor:
             if st is None:
                 continue
             log.info("rank %d (pid %d) %s", w.rank, w.pid, st.describe())
-            if not st.ok and w.stopped_with is None and self.phase == "running":
+            if not st.ok and w.stopped_with is None and self.phase == "running" and not self.cfg.stop_on_failure:
+                self._dyn_failed = True
+                self.first_failure = self.first_failure or w
+                log.warning("rank %d %s; the job goes on without it (the group evicts it; --on-failure stop "
+                            "stops the job instead)", w.rank, st.describe())
+            elif not st.ok and w.stopped_with is None and self.phase == "running":
                 self.first_failure = w
                 self._begin_stop(f"rank {w.rank} failed", 1, signal.SIGTERM)
                 if self._pump is not None:
@@ -336,7 +360,13 @@ class Supervisor:
 
     def _advance(self) -> None:
         now = time.monotonic()
-        if self.phase == "running" and all(not w.running for w in self.workers):
+        if self.phase == "running" and all(not w.running for w in self.workers) and self._dyn is not None:
+            self.exit_code = 1 if self._dyn_failed else 0
+            self.phase, self.reason = "waiting_nodes", "waiting for the launchers that joined"
+        if self.phase == "waiting_nodes" and self._dyn is not None:
+            if self.cfg.join is not None or not self._dyn.joiners_running(self.cfg.node_timeout):
+                self._finish(self.exit_code or 0)
+        elif self.phase == "running" and all(not w.running for w in self.workers):
             if not self.cfg.multi_node:
                 self._finish(0)
                 return
@@ -376,6 +406,8 @@ class Supervisor:
         self._give_up_at = time.monotonic() + _KILL_WAIT_S
 
     def _finish(self, code: int) -> None:
+        if self._dyn is not None:
+            self._dyn.finish(code)  # a joining launcher: the host stops waiting for it
         if self.cfg.multi_node and self._client is not None and self.phase != "waiting_nodes":
             publish_done(self._client, self.cfg.node_rank, code)
         self.phase, self.exit_code = "done", code
