@@ -108,6 +108,17 @@ class Counter:
         return cls.__name__
 
 
+def make_local_class_instance(start: int) -> Any:
+    """A value whose class cannot be pickled (defined in a function): its type cannot be
+    sent back, so ``rref.remote().m()`` skips the type check (a SerializationError)."""
+
+    class Local:
+        def get(self) -> int:
+            return start
+
+    return Local()
+
+
 # ---- RRef helpers
 def make_rref(value: Any) -> rrefrt.RRef:
     """An RRef owned by the worker running this (returned: owner -> caller)."""
@@ -120,6 +131,10 @@ def rref_value(rref: rrefrt.RRef) -> Any:
 
 def rref_local_value(rref: rrefrt.RRef) -> Any:
     return rref.local_value()
+
+
+def rref_raise_on_owner(rref: rrefrt.RRef) -> None:
+    raise UserDefinedError(f"failed with {rref!r}")
 
 
 def rref_is_owner(rref: rrefrt.RRef) -> bool:
