@@ -41,6 +41,13 @@ def raise_user_error() -> None:
     raise UserDefinedError("custom failure")
 
 
+def relay_error(path: list) -> Any:
+    """Call the next worker of ``path`` with the rest of it; the last one raises."""
+    if not path:
+        raise UserDefinedError("innermost failure")
+    return rrefrt.rpc_sync(path[0], relay_error, args=(path[1:],))
+
+
 def raise_two_args() -> None:
     raise NeedsTwoArgs(1, 2)
 
