@@ -235,6 +235,7 @@ def _settle(f: concurrent.futures.Future, done: Done) -> None:
     try:
         value = f.result()
     except BaseException as e:
+        f = None  # type: ignore[assignment]  # NOTE [No cycle through a raised error] (futures.py)
         done(None, e)
         return
     done(value, None)

@@ -71,7 +71,11 @@ class Caller:
     def rpc_sync(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
         fut = self.rpc_async(to, func, args, kwargs, timeout)
         t = self.rt.timeout(timeout)
-        return fut.result(t + 5.0 if t > 0 else None)
+        try:
+            return fut.result(t + 5.0 if t > 0 else None)
+        except BaseException:
+            fut = None  # type: ignore[assignment]  # NOTE [No cycle through a raised error] (futures.py)
+            raise
 
     def remote(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> RRef[Any]:
         rt = self.rt

@@ -23,6 +23,18 @@ callbacks of a ``collect_all`` on the thread that completes its last input. So a
 future's payload is decoded on the callback pool rather than lazily by its first reader.
 Completions with no Python callback are coalesced (``WorkerPool.submit_batched``).
 Futures created before torch was imported stay plain (not accepted by torch's functions).
+
+NOTE [No cycle through a raised error]: a failed future stores its error, and ``result``/
+``wait`` raise that object, so its traceback collects the frames it passes through. A
+frame there that still holds the future (``self``, a local ``fut``) closes a cycle
+future -> error -> traceback -> frame -> future, and everything those frames hold (the
+proxy's RRef, the call's arguments) lives until a full gc pass, which in a large process
+may not come for minutes: the owner keeps the remote value. So every library frame that
+an error leaves through drops its reference to the future first (``self = None`` /
+``fut = None`` in the ``except``), and ``exception()`` decodes a lazy error without
+raising it (the callback pool calls it for the torch side; a raise there would add the
+pool thread's frames, which hold the future, to the error). A user's own frame holding
+the future is the same cycle as with ``concurrent.futures`` (see docs/futures.md).
 See docs/futures.md.
 """
 
@@ -140,14 +152,22 @@ class Future(concurrent.futures.Future, Generic[T]):
     # -- torch's API
     def wait(self, timeout: float | None = None) -> T:
         """Block until done; return the value or raise its error (the same each time)."""
-        return self.result(timeout)
+        try:
+            return self.result(timeout)
+        except BaseException:
+            self = None  # type: ignore[assignment]  # noqa: F841  # NOTE [No cycle through a raised error]
+            raise
 
     def value(self) -> T:
         """The value of a completed Future (raises its error); as in torch, only after
         ``wait()`` or inside a callback: on a Future not yet done it raises at once."""
         if not self.done():
             raise RpcError("value() was called on a Future that is not completed yet; call wait() first")
-        return self.result(0)
+        try:
+            return self.result(0)
+        except BaseException:
+            self = None  # type: ignore[assignment]  # noqa: F841  # NOTE [No cycle through a raised error]
+            raise
 
     def then(self, callback: Callable[["Future[T]"], Any]) -> "Future[Any]":
         """A new Future completed with ``callback(self)``; a non-callable raises TypeError
@@ -223,19 +243,22 @@ class Future(concurrent.futures.Future, Generic[T]):
         else:
             e = super().exception(timeout)
         if e is None and type(self._result) is _Lazy:
-            try:
-                self._materialize(self._result)
-            except BaseException as err:
-                return err
+            self._decode(self._result)  # never raises: the error is not raised on this thread
+            e = self._exception
         return e
 
-    def _materialize(self, lazy: _Lazy) -> Any:
+    def _decode(self, lazy: _Lazy) -> None:
+        """Decode a lazy result once; a failure becomes the stored error (no traceback)."""
         with self._decode_lock:
             if self._result is lazy:
                 try:
                     self._result = lazy.decode()
                 except BaseException as e:
                     self._result, self._exception = None, e.with_traceback(None)  # no cycle via this frame
+
+    def _materialize(self, lazy: _Lazy) -> Any:
+        self._decode(lazy)
+        with self._decode_lock:
             exc = self._exception
             if exc is not None:
                 try:

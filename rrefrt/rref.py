@@ -24,6 +24,7 @@ import contextlib
 import functools
 import os
 import time
+import weakref
 from typing import Any, Generic, Sequence, TypeVar
 
 from . import state
@@ -187,7 +188,16 @@ class RRef(Generic[T]):
                 fut.set_exception(e)
                 return fut
             self._type_fut = fut
-        return fut.wait() if blocking else fut
+            fut.add_done_callback(functools.partial(_forget_failed_type, weakref.ref(self)))
+        if not blocking:
+            return fut
+        try:
+            return fut.wait()
+        except BaseException:  # NOTE [No cycle through a raised error] (futures.py)
+            if self._type_fut is fut:
+                self._type_fut = None  # a failure is not cached (the next call fetches again)
+            fut = self = None  # type: ignore[assignment]
+            raise
 
     def _get_future(self) -> Future[None]:
         """A Future completed (with None) when the owner has created the value - or failed
@@ -252,6 +262,15 @@ class RRef(Generic[T]):
             self._rt.enqueue_drop(rec.fork_id)
         except Exception:
             pass
+
+
+def _forget_failed_type(me: "weakref.ref[RRef[Any]]", fut: Future[Any]) -> None:
+    """A failed type fetch leaves the RRef's cache: its error's traceback may hold frames
+    that hold the RRef (``_check_method``'s), a cycle through ``_type_fut`` that only gc
+    would free (NOTE [No cycle through a raised error], futures.py)."""
+    rref = me()
+    if rref is not None and rref._type_fut is fut and (fut.cancelled() or fut.exception() is not None):
+        rref._type_fut = None
 
 
 def _creation_timed_out(rref: RRef[Any], rec: UserRecord) -> None:

@@ -200,18 +200,45 @@ def dumps_error(exc: BaseException, worker: str) -> list[Any]:
     return frames
 
 
+def _origin(exc: Any) -> tuple[str, str, list[str]] | None:
+    """What an error rebuilt by ``loads_error`` on the worker that sent it on carries: its
+    innermost text, the innermost traceback and the workers it passed (innermost first)."""
+    o = getattr(exc, "__dict__", {}).get("_rrefrt_origin")
+    if isinstance(o, tuple) and len(o) == 3 and isinstance(o[0], str) and isinstance(o[1], str) and isinstance(o[2], list):
+        return o
+    return None
+
+
+def _remote_message(text: str, tb: str, workers: list[str]) -> str:
+    where = f"raised on worker {workers[0]!r}"
+    if len(workers) > 1:
+        where += "; passed on by " + " -> ".join(repr(w) for w in workers[1:])
+    return f"{text} ({where})\n\nRemote traceback:\n{tb}"
+
+
 def loads_error(frames: Sequence[Any], fallback_worker: str) -> BaseException:
+    """The error a remote call failed with, of its own type where it can be rebuilt, its
+    message naming the worker and holding the remote traceback. NOTE [Errors over hops]: an
+    error that came from yet another worker and was let through (a nested call) keeps its
+    innermost text and traceback, and the message lists the workers it passed - it does not
+    nest the previous hop's whole message (which held its traceback) again per hop."""
     try:
         exc, qualname, tb, worker = loads(frames, [])
     except Exception as e:
         return RemoteError(f"worker {fallback_worker!r} raised an error that could not be decoded: {e}")
-    message = f"{exc if exc is not None else qualname} (raised on worker {worker!r})\n\nRemote traceback:\n{tb}"
     if exc is None:
         return RemoteError.from_wire(qualname, worker, tb)
+    origin = _origin(exc)
+    if origin is not None:
+        text, tb, workers = origin[0], origin[1], [*origin[2], worker]
+    else:
+        text, workers = str(exc), [worker]
+    message = _remote_message(text, tb, workers)
     if isinstance(exc, RpcError) or type(exc).__module__.startswith("rrefrt"):
         try:
             rebuilt = type(exc)(message)
             rebuilt.__dict__.update(exc.__dict__)
+            rebuilt._rrefrt_origin = (text, tb, workers)  # type: ignore[attr-defined]
             return rebuilt
         except Exception:
             return exc
@@ -219,7 +246,8 @@ def loads_error(frames: Sequence[Any], fallback_worker: str) -> BaseException:
         rebuilt = type(exc)(message)
         rebuilt.__dict__.update(getattr(exc, "__dict__", {}))
         rebuilt.remote_traceback = tb  # type: ignore[attr-defined]
-        rebuilt.worker = worker  # type: ignore[attr-defined]
+        rebuilt.worker = workers[0]  # type: ignore[attr-defined]
+        rebuilt._rrefrt_origin = (text, tb, workers)  # type: ignore[attr-defined]
         return rebuilt
     except Exception:
         try:

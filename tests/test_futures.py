@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import pickle
+import gc
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
 
@@ -377,3 +379,46 @@ def test_collect_all_and_then_leave_no_cycle_through_the_torch_side():
     refs = chain()
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+# ---------------------------------------------------------------- no cycle through a raised error
+def _remote_error() -> None:
+    raise ValueError("raised when the payload is decoded (a remote error)")
+
+
+class _PlainFuture(Future):
+    """A user subclass stays plain: no torch side, so its first reader decodes."""
+
+
+@pytest.mark.parametrize("read", ["wait", "result", "value", "exception"])
+@pytest.mark.parametrize("how", ["torch-side-decodes", "reader-decodes", "failed"])
+def test_a_failed_future_is_freed_without_gc_after_its_error_was_raised(read, how):
+    """NOTE [No cycle through a raised error]: reading a failed future must not leave a
+    frame holding it in the stored error's traceback (a cycle only gc frees; an RRef in
+    the caller's frames then outlives ``del``)."""
+    gc.collect()
+    gc.disable()
+    try:
+        if how == "torch-side-decodes":  # no callback pool: _mark_torch runs inline, decodes
+            fut: Future = Future()
+            fut._complete_lazy(_remote_error)
+            assert torch._C.Future.done(fut)
+        elif how == "reader-decodes":
+            fut = _PlainFuture()
+            fut._complete_lazy(_remote_error)
+        else:
+            fut = Future()
+            fut._fail(ValueError("stored"))
+        for _ in range(2):  # twice: the second read raises the same stored error again
+            try:
+                got = getattr(fut, read)()
+            except ValueError:
+                pass
+            else:
+                assert read == "exception" and isinstance(got, ValueError)
+                del got
+        probe = weakref.ref(fut)
+        del fut
+        assert probe() is None, gc.get_referrers(probe())
+    finally:
+        gc.enable()

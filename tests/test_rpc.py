@@ -103,6 +103,13 @@ def test_remote_exceptions_keep_their_type(cluster):
         rrefrt.rpc_sync("w2", fns.raise_two_args)
     with pytest.raises(fns.UserDefinedError):
         rrefrt.remote("w1", fns.raise_user_error).to_here()
+    # let through nested calls (w1 -> w2 -> w1 -> w2): the innermost text and traceback
+    # once, the workers it passed named (NOTE [Errors over hops]); it used to double per hop
+    with pytest.raises(fns.UserDefinedError) as e:
+        rrefrt.rpc_sync("w1", fns.relay_error, args=(["w2", "w1", "w2"],))
+    msg = str(e.value)
+    assert msg.startswith("innermost failure (raised on worker 'w2'; passed on by 'w1' -> 'w2' -> 'w1')"), msg
+    assert msg.count("Remote traceback:") == 1 and msg.count("UserDefinedError: innermost failure") == 1, msg
 
 
 def test_unpicklable_rejected_before_sending(cluster):

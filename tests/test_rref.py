@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+import weakref
 
 import pytest
 
@@ -20,10 +21,11 @@ def counts(worker: str) -> dict:
     return rrefrt.rpc_sync(worker, fns.owner_counts)
 
 
-def assert_drained(worker: str, timeout: float = 5.0) -> float:
+def assert_drained(worker: str, timeout: float = 5.0, collect: bool = True) -> float:
     """Poll until the worker owns no RRef and holds no fork; return the time it took."""
     t0 = time.monotonic()
-    gc.collect()
+    if collect:
+        gc.collect()
     poll_for(lambda: counts(worker)["num_owner_rrefs"] == 0 and counts(worker)["num_forks"] == 0, timeout)
     return time.monotonic() - t0
 
@@ -53,6 +55,44 @@ def test_proxies_methods_static_and_class(cluster):
         rref.rpc_sync().no_such_method()
     del rref, derived
     assert_drained("w2")
+
+
+def test_failed_calls_free_the_rref_without_the_garbage_collector(cluster):
+    """A call that fails remotely stores the error on its Future and raises it: its
+    traceback holds the caller's frames (the proxy's, holding the RRef). If one of those
+    frames also held the Future, that was a cycle only a full gc pass could free, so the
+    remote value outlived ``del rref`` (the flaky drain above). With gc disabled the RRef
+    must go by reference counting alone, once the callback pool has let go of the Future."""
+    gc.collect()
+    gc.disable()
+    try:
+        rref = rrefrt.remote("w2", fns.Counter, args=(1,))
+        assert rref.to_here().value == 1
+        failures = 0
+        for call in (
+            lambda: rref.rpc_sync().no_such_method(),  # Caller.rpc_sync
+            lambda: rref.rpc_async().no_such_method().wait(),  # Future.wait
+            lambda: rref.rpc_async().no_such_method().result(),  # Future.result
+            lambda: rref.remote().no_such_method(),  # the type check of remote()
+            lambda: rrefrt.rpc_sync("w2", fns.rref_raise_on_owner, args=(rref,)),
+        ):
+            try:
+                call()
+            except (AttributeError, fns.UserDefinedError):
+                failures += 1
+        assert failures == 5
+        fut = rref.rpc_async().no_such_method()
+        assert isinstance(fut.exception(10), AttributeError)  # Future.exception
+        # a type that cannot come back: remote() skips its check after a failed _get_type
+        local = rrefrt.remote("w2", fns.make_local_class_instance, args=(3,))
+        assert local.remote().get().to_here() == 3
+        del fut, call
+        probes = [weakref.ref(rref), weakref.ref(local)]
+        del rref, local
+        poll_for(lambda: all(p() is None for p in probes), 20, "the UserRRefs to be freed without gc (a cycle holds one)")
+        assert_drained("w2", 20, collect=False)
+    finally:
+        gc.enable()
 
 
 def test_owner_to_user(cluster):

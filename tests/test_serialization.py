@@ -323,3 +323,33 @@ def test_torch_phrases_in_decode_and_remote_errors():
     assert "Original exception on remote side was" in str(err) and "CustomException" in str(err)
     assert "w1" in str(err)
     pickle.loads(pickle.dumps(err))
+
+
+# ---------------------------------------------------------------------------- errors
+def _raise_here(err: BaseException) -> BaseException:
+    """``err`` as a worker's user function lets it through: raised, with frames."""
+    try:
+        raise err
+    except BaseException as e:
+        return e
+
+
+@pytest.mark.parametrize("make", [lambda: ValueError("innermost cause"), lambda: SerializationError("innermost cause")],
+                         ids=["user-type", "rrefrt-type"])
+def test_an_error_passed_on_over_nested_calls_does_not_grow_per_hop(make):
+    """NOTE [Errors over hops]: w4 raises; w3, w2, w1 each let the error of their nested
+    call through. The message keeps the innermost text and traceback once and names the
+    workers it passed; it no longer nests each hop's whole message (it doubled per hop)."""
+    err = _raise_here(make())
+    sizes = []
+    for worker in ("w4", "w3", "w2", "w1"):
+        err = _raise_here(ser.loads_error([bytes(f) for f in ser.dumps_error(err, worker)], worker))
+        sizes.append(len(str(err)))
+    msg = str(err)
+    assert type(err) is type(make())
+    assert msg.startswith("innermost cause (raised on worker 'w4'; passed on by 'w3' -> 'w2' -> 'w1')"), msg
+    assert msg.count("innermost cause") == 2  # the text, and the last line of the innermost traceback
+    assert "Remote traceback:" in msg and msg.count("Remote traceback:") == 1
+    assert sizes[-1] - sizes[0] < 40, sizes  # only the worker names were added
+    if isinstance(err, ValueError):
+        assert err.worker == "w4" and "innermost cause" in err.remote_traceback

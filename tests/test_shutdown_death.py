@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from rrefrt.store import StoreClient
 from tests.support import Workers, free_port, poll_for
 
 SHUTDOWN_TIMEOUT = 30.0
@@ -34,9 +35,15 @@ def test_a_peer_dying_during_shutdown_is_not_waited_for(tmp_path):
         for r in (0, 1):
             assert procs[r].stdout.readline().strip() == "READY", f"w{r} did not start"
         open(go, "w").close()
-        # w0 and w1 enter shutdown and wait for w2 at the "enter" barrier. Give them time to
-        # get there (were they slower, the kill would come first and the test only weaker).
-        time.sleep(1.5)
+        # w0 and w1 enter shutdown and wait for w2 at the "enter" barrier: kill w2 once both
+        # have arrived there (their arrival keys are in the rendezvous store, hosted by w0)
+        store = StoreClient("127.0.0.1", port, connect_timeout=30)
+        try:
+            at_barrier = ["rpc/0/barrier/enter/0", "rpc/0/barrier/enter/1"]
+            assert store.wait(at_barrier, 60), "w0 and w1 did not reach the shutdown barrier within 60 s"
+            assert not store.check(["rpc/0/barrier/enter/2"])  # w2 blocks: never arrives
+        finally:
+            store.close()
         t0 = time.monotonic()
         os.kill(procs[2].pid, signal.SIGKILL)
         took = {}

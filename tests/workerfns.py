@@ -41,6 +41,13 @@ def raise_user_error() -> None:
     raise UserDefinedError("custom failure")
 
 
+def relay_error(path: list) -> Any:
+    """Call the next worker of ``path`` with the rest of it; the last one raises."""
+    if not path:
+        raise UserDefinedError("innermost failure")
+    return rrefrt.rpc_sync(path[0], relay_error, args=(path[1:],))
+
+
 def raise_two_args() -> None:
     raise NeedsTwoArgs(1, 2)
 
@@ -108,6 +115,17 @@ class Counter:
         return cls.__name__
 
 
+def make_local_class_instance(start: int) -> Any:
+    """A value whose class cannot be pickled (defined in a function): its type cannot be
+    sent back, so ``rref.remote().m()`` skips the type check (a SerializationError)."""
+
+    class Local:
+        def get(self) -> int:
+            return start
+
+    return Local()
+
+
 # ---- RRef helpers
 def make_rref(value: Any) -> rrefrt.RRef:
     """An RRef owned by the worker running this (returned: owner -> caller)."""
@@ -120,6 +138,10 @@ def rref_value(rref: rrefrt.RRef) -> Any:
 
 def rref_local_value(rref: rrefrt.RRef) -> Any:
     return rref.local_value()
+
+
+def rref_raise_on_owner(rref: rrefrt.RRef) -> None:
+    raise UserDefinedError(f"failed with {rref!r}")
 
 
 def rref_is_owner(rref: rrefrt.RRef) -> bool:
