@@ -70,8 +70,12 @@ class Caller:
         frames, forks = self.dumps_call(func, args, kwargs, dest)
         fut: Future[Any] = WaitedFuture() if waited else Future()
         fut._callback_pool = rt.callbacks
-        what = f"rpc to {rt.worker_name(dest)!r} of {getattr(func, '__qualname__', func)!r}"
-        owner_of = repr(args[0]) if func is _invoke_on_owner and args else None  # a proxy call
+        # formatted only if the call fails
+        what = lambda: f"rpc to {rt.worker_name(dest)!r} of {getattr(func, '__qualname__', func)!r}"  # noqa: E731
+        owner_of = None
+        if func is _invoke_on_owner and args:  # a proxy call: the RRef (only it is kept)
+            target = args[0]
+            owner_of = lambda: repr(target)  # noqa: E731
         msg = PythonCall(dest, tuple(ForkData.from_wire(f) for f in forks))
         self.send_request(msg, frames, rt.timeout(timeout), fut, what, forks, owner_of)
         return fut
@@ -125,7 +129,7 @@ class Caller:
             rt.creation.add_fetch(rec.fork_id, fut)
             forget = lambda: rt.creation.forget_fetch(rec.fork_id, fut)  # noqa: E731
         msg = Fetch(rec.owner, rec.rref_id, rec.fork_id)
-        self.send_request(msg, [], t, fut, f"to_here() of {rref!r}", [], repr(rref), forget)
+        self.send_request(msg, [], t, fut, lambda: f"to_here() of {rref!r}", [], lambda: repr(rref), forget)
         return fut
 
     def owner_value(self, rec: OwnerRecord, timeout: float) -> Any:
@@ -160,10 +164,11 @@ class Caller:
             raise
 
     def send_request(
-        self, msg: PythonCall | Fetch, frames: Any, timeout: float, fut: Future[Any], what: str,
-        forks: list[Any], owner_of: str | None = None, before: Callable[[], None] | None = None,
+        self, msg: PythonCall | Fetch, frames: Any, timeout: float, fut: Future[Any], what: Callable[[], str],
+        forks: list[Any], owner_of: Callable[[], str] | None = None, before: Callable[[], None] | None = None,
     ) -> None:
-        """``before``: run on the answer (or failure), before the future completes."""
+        """``what`` / ``owner_of``: the texts of an error, built only if one happens.
+        ``before``: run on the answer (or failure), before the future completes."""
         rt, dest = self.rt, msg.dest
         if rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
             rt.control.flush_drops()
@@ -173,7 +178,7 @@ class Caller:
                 if before is not None:
                     before()
                 if err is not None:
-                    fut._fail(translate(err, what, owner_of))
+                    fut._fail(translate(err, what(), owner_of() if owner_of else None))
                     return
                 self._complete(fut, dest, m, fr)
             finally:
@@ -187,7 +192,7 @@ class Caller:
             if before is not None:
                 before()
             self.abort_forks(forks)
-            raise translate(e, what, owner_of) from None
+            raise translate(e, what(), owner_of() if owner_of else None) from None
 
     def _complete(self, fut: Future[Any], src: int, meta: Any, frames: Sequence[Any]) -> None:
         """Transport thread: decode the response meta once, account for the forks now,
