@@ -104,7 +104,7 @@ class Caller:
             urec.site = creation_site()
         msg = RemoteRequest(dest, urec.rref_id, urec.fork_id, tname, fork_data)
         if rt.control.drops:  # NOTE [Drops]
-            rt.control.flush_drops()
+            self.flush_drops()
         try:
             rt.creation.send(msg, frames)
         except transport.TransportError as e:
@@ -171,7 +171,7 @@ class Caller:
         ``before``: run on the answer (or failure), before the future completes."""
         rt, dest = self.rt, msg.dest
         if rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
-            rt.control.flush_drops()
+            self.flush_drops()
 
         def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:  # transport thread
             try:
@@ -193,6 +193,14 @@ class Caller:
                 before()
             self.abort_forks(forks)
             raise translate(e, what(), owner_of() if owner_of else None) from None
+
+    def flush_drops(self) -> None:
+        """NOTE [Drops]: send the deletes of dropped RRefs before this call - unless the
+        context's lock is held (a call made from a destructor that the garbage collector
+        ran inside the context, on this very thread: the control thread sends them)."""
+        rt = self.rt
+        if not rt.ctx._lock.locked():
+            rt.control.flush_drops()
 
     def _complete(self, fut: Future[Any], src: int, meta: Any, frames: Sequence[Any]) -> None:
         """Transport thread: decode the response meta once, account for the forks now,

@@ -365,6 +365,14 @@ def test_the_rref_protocol_runs_off_the_control_thread(group: Group) -> None:
         gc.collect()
         w2.control.flush_drops()  # w2's copy of the box went away on w2; nothing else sends from w2
         assert rrefrt.rpc_sync("w1", owned_here) == base  # the deletes left before this call
+        last = rrefrt.remote("w1", add, args=(1, 1))
+        poll_for(last.confirmed_by_owner, 5)
+        del last
+        gc.collect()
+        with w0.ctx._lock:  # a call from a destructor run inside the context: no deadlock
+            assert rrefrt.rpc_sync("w1", add, args=(1, 2)) == 3
+        assert w0.control.drops  # left for the control thread (or the next call)
+        assert rrefrt.rpc_sync("w1", owned_here) == base
     assert "RREF_USER_DELETES" in labels, labels
     assert labels.count("RREF_USER_DELETE") <= 1, labels
     poll_for(lambda: w0.ctx.counts() == dict.fromkeys(w0.ctx.counts(), 0), 5, lambda: w0.ctx.counts())
