@@ -29,6 +29,7 @@ METRICS = [
     ("tensor_16mb_p50_ms", "16 MB tensor round trip p50", "ms", "lower", "main"),
     ("tensor_64mb_p50_ms", "64 MB tensor round trip p50", "ms", "lower", "main"),
     ("remote_to_here_p50_us", "remote().to_here() p50", "us", "lower", "main"),
+    ("remote_cpu_us", "remote().to_here() CPU per call (both sides)", "us", "lower", "main"),
     ("forks_per_s", "user->user RRef forks", "forks/s", "higher", "main"),
     ("drain_ms", "owner drain after forks dropped", "ms", "lower", "main"),
     ("life4_s", "init + graceful shutdown, 4 workers", "s", "lower", "life4"),
@@ -126,8 +127,13 @@ def bench_tensors(rpc, p, backend):
 
 def bench_remote(rpc, p, backend):
     assert rpc.remote("w1", noop, args=(7,)).to_here() == 7
-    lat = _latencies(lambda: rpc.remote("w1", noop, args=(1,)).to_here(), p["remote"], p["remote_warm"])
-    return {"remote_to_here_p50_us": statistics.median(lat) * 1e6}
+    for _ in range(p["remote_warm"]):
+        rpc.remote("w1", noop, args=(1,)).to_here()
+    callee0, mine0 = rpc.rpc_sync("w1", process_cpu), process_cpu()
+    lat = _latencies(lambda: rpc.remote("w1", noop, args=(1,)).to_here(), p["remote"], 0)
+    mine, callee = process_cpu() - mine0, rpc.rpc_sync("w1", process_cpu) - callee0
+    return {"remote_to_here_p50_us": statistics.median(lat) * 1e6,
+            "remote_cpu_us": (mine + callee) / p["remote"] * 1e6}
 
 
 def bench_forks(rpc, p, backend):
@@ -166,10 +172,11 @@ def bench_fanout(rpc, p, world_size):
     return {"fanout_calls_per_s": p["fan"] / (time.perf_counter() - t0)}
 
 
-def run_all(rpc, quick, backend, group, world_size):
+def run_all(rpc, quick, backend, group, world_size, only=None):
     p = QUICK if quick else FULL
     results, errors = {}, {}
-    workloads = WORKLOADS if group == "main" else [lambda rpc, p, b: bench_fanout(rpc, p, world_size)] if group == "fan8" else []
+    main = [wl for wl in WORKLOADS if not only or wl.__name__[len("bench_"):] in only.split(",")]
+    workloads = main if group == "main" else [lambda rpc, p, b: bench_fanout(rpc, p, world_size)] if group == "fan8" else []
     for wl in workloads:
         name = getattr(wl, "__name__", "workload")
         print(f"[rank0] {name} ...", flush=True)  # the log tail then shows where a hang is
@@ -199,14 +206,14 @@ def load_backend(backend, port):
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def worker_main(backend, rank, world_size, port, out, quick, group):
+def worker_main(backend, rank, world_size, port, out, quick, group, only=None):
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # each worker on its own core (round robin)
     rpc, opts = load_backend(backend, port)
     t0 = time.perf_counter()
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
     init_s = time.perf_counter() - t0
-    report = run_all(rpc, quick, backend, group, world_size) if rank == 0 else {"results": {}, "errors": {}}
+    report = run_all(rpc, quick, backend, group, world_size, only) if rank == 0 else {"results": {}, "errors": {}}
     t0 = time.perf_counter()
     rpc.shutdown()
     report["init_s"], report["shutdown_s"] = init_s, time.perf_counter() - t0

@@ -24,7 +24,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 GROUPS = {"main": 3, "life4": 4, "fan8": 8}  # group -> world size (see _workloads.py)
 #: (variant, its baseline): each variant's ratio is taken against that baseline of the same round
-PAIRS = [("rrefrt", "torch"), ("rrefrt-secret", "torch"), ("rrefrt-tcp", "torch-tcp")]
+PAIRS = [("rrefrt", "torch"), ("rrefrt-secret", "torch"), ("rrefrt-tcp", "torch-tcp"),
+         ("rrefrt-base", "torch"), ("rrefrt", "rrefrt-base")]
 VARIANT_ENV = {
     "rrefrt-secret": {"RREFRT_SECRET": "bench-secret"},
     "rrefrt-tcp": {"RREFRT_SAME_HOST": "0", "RREFRT_NO_IPC": "1"},
@@ -51,14 +52,19 @@ def _tail(path, n=20):
     return "\n".join("    " + line for line in lines[-n:])
 
 
-def run_backend(backend, group, quick, timeout):
+def run_backend(backend, group, quick, timeout, workloads=None):
     """Run one backend's worker group; return (report dict or None, problem str or None)."""
     world_size = GROUPS[group]
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix=f"bench_{backend}_{group}_"))
     out = tmp / "report.json"
+    # rrefrt-base: rrefrt imported from the tree $RREFRT_BENCH_BASE (e.g. `git archive` of an
+    # older commit) to measure before/after in one interleaved run
+    root = os.environ.get("RREFRT_BENCH_BASE", "") if backend == "rrefrt-base" else str(ROOT)
+    if backend == "rrefrt-base" and not root:
+        return None, "rrefrt-base needs RREFRT_BENCH_BASE (a source tree of the older rrefrt)"
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     for k in ("RREFRT_SECRET", "RREFRT_SAME_HOST", "RREFRT_NO_IPC"):
         env.pop(k, None)
     env.update(VARIANT_ENV.get(backend, {}))
@@ -66,7 +72,8 @@ def run_backend(backend, group, quick, timeout):
     for rank in range(world_size):
         log = tmp / f"rank{rank}.log"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", backend, "--rank", str(rank),
-               "--port", str(port), "--out", str(out), "--group", group] + (["--quick"] if quick else [])
+               "--port", str(port), "--out", str(out), "--group", group] + (["--quick"] if quick else []) \
+            + (["--workloads", workloads] if workloads else [])
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True))
@@ -155,10 +162,12 @@ def print_table(runs, metrics, backends):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default=None,
-                    help="comma list of torch, torch-tcp, rrefrt, rrefrt-secret, rrefrt-tcp "
+                    help="comma list of torch, torch-tcp, rrefrt, rrefrt-secret, rrefrt-tcp, rrefrt-base "
                          "(default: all five; --quick: torch,rrefrt)")
     ap.add_argument("--groups", default=None, help="comma list of main, life4, fan8 (default: all; --quick: main)")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
+    ap.add_argument("--workloads", default=None,
+                    help="comma list of main-group workloads to run (sync, async, tensors, remote, forks; default: all)")
     ap.add_argument("--json", metavar="PATH", help="save all results and ratios here")
     ap.add_argument("--repeat", type=int, default=1, help="rounds (backends interleaved); paired medians are reported")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per worker group")
@@ -172,7 +181,7 @@ def main():
     import _workloads  # bench/ is sys.path[0]: this file's directory
     if args.worker:
         _workloads.worker_main(args.worker, args.rank, GROUPS[args.group], args.port, args.out, args.quick,
-                               args.group)
+                               args.group, args.workloads)
         return 0
 
     default_backends = "torch,rrefrt" if args.quick else "torch,rrefrt,rrefrt-secret,torch-tcp,rrefrt-tcp"
@@ -188,7 +197,7 @@ def main():
             for group in groups:
                 print(f"== {backend} {group} (round {rnd + 1}/{args.repeat}): {GROUPS[group]} workers ...", flush=True)
                 t0 = time.monotonic()
-                report, problem = run_backend(backend, group, args.quick, args.timeout)
+                report, problem = run_backend(backend, group, args.quick, args.timeout, args.workloads)
                 if problem:
                     problems.setdefault(backend, []).append(f"{group}: {problem}")
                     print(f"!! {backend} {group} FAILED: {problem}")

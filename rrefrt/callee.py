@@ -5,9 +5,11 @@ pool), the execution of user functions (plain, ``@async_execution``, ``async def
 event loop thread), replies and acknowledgements, and serving fetches (pickling a value).
 Imports from rrefrt: errors, messages, rref_context, serialization.
 
-Threads: ``on_python_call`` / ``on_remote_request`` run on the transport thread and never
-unpickle; ``run_call`` runs on the user pool; ``serve_fetch`` on the callback pool (see the
-home-thread table in rrefrt/control.py); ``async def`` functions on the event loop thread.
+Threads: ``on_python_call`` / ``on_remote_request`` / ``on_fetch`` run on the transport
+thread and never unpickle; ``run_call`` runs on the user pool; ``serve_fetch`` on the
+callback pool, on the pool thread that set the value, or (a plain value, no user code) on
+the transport thread (see the home-thread table in rrefrt/control.py); ``async def``
+functions on the event loop thread.
 """
 
 from __future__ import annotations
@@ -32,12 +34,18 @@ from .functions import is_async_execution, when_future_done
 from .pool import PoolExhaustedError
 from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
 from .rref import wait_received_confirmed
-from .rref_context import FAILED, OwnerRecord
+from .rref_context import FAILED, READY, OwnerRecord
 
 log = logging.getLogger("rrefrt")
 
 #: how many recent PYTHON_CALL ids per peer are remembered to drop duplicates
 SEEN_CALLS = 65536
+
+#: a fetched str/bytes value up to this size is pickled on the thread that read the fetch
+INLINE_FETCH_BYTES = 64 * 1024
+#: types whose pickling runs no user code (their subclasses may: ``type(v) in`` only)
+_PLAIN = frozenset({type(None), bool, int, float, complex})
+_PLAIN_SIZED = frozenset({str, bytes})
 
 Done = Callable[[Any, "BaseException | None"], None]
 
@@ -179,6 +187,27 @@ class Callee:
             except Exception as e:
                 exc = e
         self.respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, rt.info.name), msg)
+
+    def on_fetch(self, src: int, msg_id: int, msg: Fetch, frames: Sequence[Any]) -> None:
+        """Transport thread: a fetch. A ready plain value is answered here; anything else
+        goes to the callback pool, or waits for the value (served by whoever sets it)."""
+        sf = self.rt.ctx.on_fetch(msg.rref_id, src, msg_id)
+        if sf is not None and not self.serve_fetch_inline(sf):
+            self.rt.callbacks.submit(self.serve_fetch, sf)
+
+    def serve_fetch_inline(self, sf: ServeFetch) -> bool:
+        """Answer a fetch on this thread if pickling the value runs no user code (a plain
+        value: None, bool, int, float, complex, or str/bytes below ``INLINE_FETCH_BYTES``).
+        False: not done, the caller hands it to the callback pool."""
+        rec = sf.record
+        if rec.state != READY:
+            return False
+        v = rec.value
+        t = type(v)
+        if t not in _PLAIN and not (t in _PLAIN_SIZED and len(v) <= INLINE_FETCH_BYTES):
+            return False
+        self.serve_fetch(sf)
+        return True
 
     def serve_fetch(self, sf: ServeFetch) -> None:
         """Callback pool: answer a fetch with the value (pickling it may run user code)."""

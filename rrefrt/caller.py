@@ -50,26 +50,38 @@ def translate(err: BaseException, what: str, owner_of: str | None = None) -> Bas
     return err
 
 
+class WaitedFuture(Future[Any]):
+    """The future of a call whose caller only waits for it (``rpc_sync``, ``to_here``):
+    never handed to user code, so it is never a torch future (NOTE [torch interop] in
+    rrefrt/futures.py) and its completion costs no callback-pool task: the waiting thread
+    decodes the answer itself and nothing else wakes."""
+
+
 class Caller:
     def __init__(self, rt: Any) -> None:
         self.rt = rt
 
     # ------------------------------------------------------------------ calls (user thread)
-    def rpc_async(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Future[Any]:
+    def rpc_async(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0,
+                  waited: bool = False) -> Future[Any]:
         rt = self.rt
         rt.check_running()
         dest = rt.worker_info(to).id
         frames, forks = self.dumps_call(func, args, kwargs, dest)
-        fut: Future[Any] = Future()
+        fut: Future[Any] = WaitedFuture() if waited else Future()
         fut._callback_pool = rt.callbacks
-        what = f"rpc to {rt.worker_name(dest)!r} of {getattr(func, '__qualname__', func)!r}"
-        owner_of = repr(args[0]) if func is _invoke_on_owner and args else None  # a proxy call
+        # formatted only if the call fails
+        what = lambda: f"rpc to {rt.worker_name(dest)!r} of {getattr(func, '__qualname__', func)!r}"  # noqa: E731
+        owner_of = None
+        if func is _invoke_on_owner and args:  # a proxy call: the RRef (only it is kept)
+            target = args[0]
+            owner_of = lambda: repr(target)  # noqa: E731
         msg = PythonCall(dest, tuple(ForkData.from_wire(f) for f in forks))
         self.send_request(msg, frames, rt.timeout(timeout), fut, what, forks, owner_of)
         return fut
 
     def rpc_sync(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
-        fut = self.rpc_async(to, func, args, kwargs, timeout)
+        fut = self.rpc_async(to, func, args, kwargs, timeout, waited=True)
         t = self.rt.timeout(timeout)
         try:
             return fut.result(t + 5.0 if t > 0 else None)
@@ -95,6 +107,8 @@ class Caller:
         if rt.options.strict_rref_leaks:
             urec.site = creation_site()
         msg = RemoteRequest(dest, urec.rref_id, urec.fork_id, tname, fork_data)
+        if rt.control.drops:  # NOTE [Drops]
+            self.flush_drops()
         try:
             rt.creation.send(msg, frames)
         except transport.TransportError as e:
@@ -103,7 +117,8 @@ class Caller:
             raise translate(e, "remote()") from None
         return RRef._from_user(rt, urec)
 
-    def fetch(self, rref: RRef[Any], timeout: float) -> Future[Any]:
+    def fetch(self, rref: RRef[Any], timeout: float, waited: bool = False) -> Future[Any]:
+        """``waited``: the caller only waits for the value (``to_here``): a WaitedFuture."""
         rt = self.rt
         rec = rref._user_rec
         assert rec is not None
@@ -111,12 +126,14 @@ class Caller:
         if not rec.confirmed and rec.creation_deadline is not None:
             left = rec.creation_deadline - time.monotonic()
             t = max(0.001, min(t, left)) if t > 0 else max(0.001, left)
-        fut: Future[Any] = Future()
+        fut: Future[Any] = WaitedFuture() if waited else Future()
         fut._callback_pool = rt.callbacks
+        forget = None
         if not rec.confirmed:  # fails at once if the creation turns out lost
             rt.creation.add_fetch(rec.fork_id, fut)
+            forget = lambda: rt.creation.forget_fetch(rec.fork_id, fut)  # noqa: E731
         msg = Fetch(rec.owner, rec.rref_id, rec.fork_id)
-        self.send_request(msg, [], t, fut, f"to_here() of {rref!r}", [], repr(rref))
+        self.send_request(msg, [], t, fut, lambda: f"to_here() of {rref!r}", [], lambda: repr(rref), forget)
         return fut
 
     def owner_value(self, rec: OwnerRecord, timeout: float) -> Any:
@@ -151,15 +168,21 @@ class Caller:
             raise
 
     def send_request(
-        self, msg: PythonCall | Fetch, frames: Any, timeout: float, fut: Future[Any], what: str,
-        forks: list[Any], owner_of: str | None = None,
+        self, msg: PythonCall | Fetch, frames: Any, timeout: float, fut: Future[Any], what: Callable[[], str],
+        forks: list[Any], owner_of: Callable[[], str] | None = None, before: Callable[[], None] | None = None,
     ) -> None:
+        """``what`` / ``owner_of``: the texts of an error, built only if one happens.
+        ``before``: run on the answer (or failure), before the future completes."""
         rt, dest = self.rt, msg.dest
+        if rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
+            self.flush_drops()
 
         def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:  # transport thread
             try:
+                if before is not None:
+                    before()
                 if err is not None:
-                    fut._fail(translate(err, what, owner_of))
+                    fut._fail(translate(err, what(), owner_of() if owner_of else None))
                     return
                 self._complete(fut, dest, m, fr)
             finally:
@@ -170,8 +193,18 @@ class Caller:
             rt.transport.request(dest, msg.KIND, msg.meta(), frames, timeout, on_done, msg.NAME)
         except transport.TransportError as e:
             rt.lifecycle.track_outgoing(-1)
+            if before is not None:
+                before()
             self.abort_forks(forks)
-            raise translate(e, what, owner_of) from None
+            raise translate(e, what(), owner_of() if owner_of else None) from None
+
+    def flush_drops(self) -> None:
+        """NOTE [Drops]: send the deletes of dropped RRefs before this call - unless the
+        context's lock is held (a call made from a destructor that the garbage collector
+        ran inside the context, on this very thread: the control thread sends them)."""
+        rt = self.rt
+        if not rt.ctx._lock.locked():
+            rt.control.flush_drops()
 
     def _complete(self, fut: Future[Any], src: int, meta: Any, frames: Sequence[Any]) -> None:
         """Transport thread: decode the response meta once, account for the forks now,

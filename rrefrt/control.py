@@ -2,7 +2,7 @@
 
 Owns: the control queue and its typed items, the control thread, the performance of every
 action the RRef context returns, and the retry policy of protocol messages (NOTE
-[Retries]). Imports from rrefrt: errors, messages, rref_context (types only). It reaches
+[Retries]). Imports from rrefrt: errors, ids, messages, pool, rref_context (types only). It reaches
 the runtime it serves through the ``rt`` it is given (no module state).
 
 Rule 1: user code never runs on the control thread: no unpickling of payloads, no pickling
@@ -14,26 +14,49 @@ Rule 2: the control thread never waits except on its own queue (bounded ``get``)
 Home threads (each action or item kind runs on exactly one kind of thread):
 
     what                                 home            why there
-    ForkRequest / ChildAccept /          control         protocol sends; retried from here
-      UserDelete / RemoteRet (send)
+    ForkRequest / ChildAccept /          any (no lock)   protocol sends; retried from the
+      UserDelete / RemoteRet (send)                       control thread
     Retry (an ack timed out)             control         NOTE [Retries]
-    Incoming Fetch / ForkRequest /       control         protocol state (RRef context)
-      ChildAccept / UserDelete
-    Dropped (an RRef's __del__)          control         G1 bookkeeping only
-    Acked (final ack of a request)       control
-    CreationSettled / CreationLost       control         see rrefrt/creation.py
+    Incoming Fetch / ForkRequest /       its reader      protocol state (RRef context);
+      ChildAccept / UserDelete                           NOTE [Inline protocol]
+    Dropped / FlushDrops (an RRef's      control, or a   G1 bookkeeping; NOTE [Drops]
+      __del__)                           caller's thread
+    Acked (final ack of a request)       transport       context update, sends (inline)
+    CreationSettled / CreationLost       control         see rrefrt/creation.py (a result
+                                                         now settles on the thread that has
+                                                         it; the item stays for tools)
     PeerDied                             control         G3
-    ServeFetch                           callback pool   pickles the value (__reduce__)
+    ServeFetch                           callback pool   pickles the value (__reduce__); or
+                                                         the pool thread that set the value,
+                                                         or the reader of a fetch of a plain
+                                                         value (callee.serve_fetch_inline)
     Release                              callback pool   the value's __del__ may run
     error payload of a RemoteRet /       callback pool   unpickles a user exception, then
-      PYTHON_REMOTE answer                                 CreationSettled to control
+      PYTHON_REMOTE answer                                 settles the creation
 
-Any thread may call ``perform(actions)``: on the control thread it runs at once, elsewhere
-it enqueues a ``Perform`` item.
+Any thread that holds no lock may call ``perform(actions)`` and ``on_incoming(...)``: they
+run at once on the calling thread (NOTE [Inline protocol]). ``Perform`` and ``Incoming``
+items are still accepted on the queue (tests and tools build them).
+
+NOTE [Inline protocol]: the RRef context is a monitor (every event is one method under its
+lock that returns the actions to perform afterwards), and every transport's ``request`` /
+``respond`` may be called from any thread, its own receiver thread included (there it never
+blocks: what the socket does not take is written later). So a protocol message is handled
+by the thread that read it and its consequences are sent by that thread: a fork request is
+acknowledged, a fork confirmed, a delete applied and a child accept sent with no hop
+through this thread (measured: each hop cost a thread wake-up, 40-80 us on a loaded
+2-core host, and the owner's drain and user->user forks paid several per RRef). The
+control thread keeps what must not run on a caller's or the transport's thread: retries
+(NOTE [Retries]), an RRef's ``__del__`` (``Dropped``: it may fire inside the garbage
+collector while this very thread holds the context lock), lost creations and peer deaths.
+Rule 1 still holds for every thread this runs on: user code (pickling a value, a
+destructor) goes to the callback pool or, for a fetch of a plain value, is no user code at
+all (``callee.serve_fetch_inline``).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -45,6 +68,7 @@ import transport
 
 from .errors import RpcError
 from .ids import ForkId
+from .pool import current_pool
 from .messages import (
     Action,
     ChildAccept,
@@ -55,6 +79,7 @@ from .messages import (
     RemoteRet,
     ServeFetch,
     UserDelete,
+    UserDeletes,
 )
 
 log = logging.getLogger("rrefrt")
@@ -83,6 +108,11 @@ class Dropped:
     """The Python object of a user fork went away."""
 
     fork_id: ForkId
+
+
+@dataclass(frozen=True, slots=True)
+class FlushDrops:
+    """RRef objects went away (``drop``): apply what ``drops`` holds (NOTE [Drops])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +162,37 @@ class Sync:
     event: threading.Event = field(compare=False)
 
 
-ControlItem = Incoming | Perform | Dropped | Acked | Retry | CreationSettled | CreationLost | PeerDied | Sync
+ControlItem = Incoming | Perform | Dropped | FlushDrops | Acked | Retry | CreationSettled | CreationLost | PeerDied | Sync
+
+
+_FLUSH = FlushDrops()
+
+#: NOTE [Drops]: the most deletes one RREF_USER_DELETES carries
+DELETES_PER_MESSAGE = 512
+
+
+def _batch_deletes(actions: list[Action]) -> list[Action]:
+    """The UserDelete actions to one owner become one UserDeletes, at the place of the
+    first (the list is returned as it is unless some owner gets several)."""
+    if sum(isinstance(a, UserDelete) for a in actions) < 2:
+        return actions
+    by_owner: dict[int, list[UserDelete]] = {}
+    for a in actions:
+        if isinstance(a, UserDelete):
+            by_owner.setdefault(a.dest, []).append(a)
+    out: list[Action] = []
+    for a in actions:
+        if not isinstance(a, UserDelete):
+            out.append(a)
+            continue
+        dels = by_owner.pop(a.dest, None)
+        if dels is None:
+            continue  # batched with the first delete to its owner
+        for i in range(0, len(dels), DELETES_PER_MESSAGE):
+            chunk = dels[i : i + DELETES_PER_MESSAGE]
+            out.append(chunk[0] if len(chunk) == 1 else UserDeletes(a.dest, tuple((d.rref_id, d.fork_id) for d in chunk)))
+    actions.clear()
+    return out
 
 
 def _ignore_ack(err: Any) -> None:
@@ -143,12 +203,15 @@ class ControlLoop:
     def __init__(self, rt: Any) -> None:
         self.rt = rt
         self.queue: queue.SimpleQueue[ControlItem] = queue.SimpleQueue()
+        #: fork ids of RRef objects that went away, not yet applied (NOTE [Drops])
+        self.drops: collections.deque[ForkId] = collections.deque()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-{rt.info.name}-control", daemon=True)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Incoming: self._on_incoming,
             Perform: lambda item: self._perform(item.actions),
             Dropped: lambda item: self._perform(self.rt.ctx.user_dropped(item.fork_id)),
+            FlushDrops: lambda item: self.flush_drops(),
             Acked: self._on_acked,
             Retry: lambda item: self.request(item.msg, item.on_ack, item.frames, item.attempt, item.on_reply),
             CreationSettled: lambda item: self._perform(self.rt.ctx.on_remote_ret(item.fork_id, item.error)),
@@ -164,16 +227,42 @@ class ControlLoop:
     def put(self, item: ControlItem) -> None:
         self.queue.put(item)
 
+    def drop(self, fork_id: ForkId) -> None:
+        """An RRef object went away (its ``__del__``, maybe inside the garbage collector while
+        this thread holds the context lock): remember it, wake the control thread. Never
+        takes a lock, never sends (a deque append and a SimpleQueue put)."""
+        self.drops.append(fork_id)
+        self.queue.put(_FLUSH)
+
+    def flush_drops(self) -> None:
+        """Apply the drops remembered so far and send their deletes, on this thread (which
+        holds no lock).
+
+        NOTE [Drops]: the control thread applies them when it wakes, and so does every
+        thread about to send a call or a creation (``Caller``), so that the deletes of the
+        RRefs a program dropped leave before its next message: on one connection they then
+        reach the owner first, as torch's do (its deletes leave from the destructor). The
+        owner's count then drops by the time it answers that next call (the benchmark's
+        "owner drain" row). Each fork id is popped by exactly one thread."""
+        drops, ctx = self.drops, self.rt.ctx
+        while drops:
+            actions: list[Action] = []
+            while drops and len(actions) < DELETES_PER_MESSAGE:
+                try:
+                    fid = drops.popleft()
+                except IndexError:
+                    break
+                actions += ctx.user_dropped(fid)
+            self._perform(_batch_deletes(actions))
+
     def on_control_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
     def perform(self, actions: list[Action]) -> None:
-        if not actions:
-            return
-        if self.on_control_thread():
-            self._perform(actions)
-        else:
-            self.queue.put(Perform(actions))
+        """Perform ``actions`` now, on this thread (NOTE [Inline protocol]); the caller holds
+        no lock."""
+        if actions:
+            self._perform(_batch_deletes(actions))
 
     def sync(self, deadline: float) -> bool:
         """Wait (bounded) until everything enqueued so far is handled."""
@@ -204,9 +293,14 @@ class ControlLoop:
             del item
 
     def _on_incoming(self, item: Incoming) -> None:
-        rt, ctx, msg, src = self.rt, self.rt.ctx, item.msg, item.src
+        self.on_incoming(item.src, item.msg_id, item.msg)
+
+    def on_incoming(self, src: int, msg_id: int, msg: Message) -> None:
+        """A protocol message arrived: update the context, acknowledge, perform the
+        consequences - on the calling thread (NOTE [Inline protocol])."""
+        rt, ctx = self.rt, self.rt.ctx
         if isinstance(msg, Fetch):
-            sf = ctx.on_fetch(msg.rref_id, src, item.msg_id)
+            sf = ctx.on_fetch(msg.rref_id, src, msg_id)
             if sf is not None:
                 self._perform([sf])
             return
@@ -217,9 +311,11 @@ class ControlLoop:
             actions = ctx.on_child_accept(msg.fork_id)
         elif isinstance(msg, UserDelete):
             actions = ctx.on_user_delete(msg.rref_id, msg.fork_id)
+        elif isinstance(msg, UserDeletes):
+            actions = ctx.on_user_deletes(msg.deletes)
         else:
             raise TypeError(f"{type(msg).__name__} is not handled by the control thread")
-        rt.callee.ack(src, item.msg_id, msg)
+        rt.callee.ack(src, msg_id, msg)
         self._perform(actions)
 
     def _on_acked(self, item: Acked) -> None:
@@ -233,6 +329,9 @@ class ControlLoop:
             # acknowledged, or never (retries exhausted: the owner will report the leak), or
             # the owner died: either way this worker is done with the fork
             ctx.on_user_delete_ack(msg.fork_id)
+        elif isinstance(msg, UserDeletes):
+            for _, fid in msg.deletes:
+                ctx.on_user_delete_ack(fid)
 
     def _perform(self, actions: list[Action]) -> None:
         """On the control thread: send protocol messages, hand the rest to their homes.
@@ -241,29 +340,38 @@ class ControlLoop:
         NOTE [Release home]: a ``Release`` may hold the last reference to a value, whose
         destructor is user code. The slot in ``actions`` is cleared and the record goes to
         the callback pool in a one-element box that the pool empties; the control thread
-        keeps only the box, so the record's last reference goes on the pool."""
+        keeps only the box, so the record's last reference goes on the pool. The Releases
+        of one list share one box (one pool task however many values a batch of deletes
+        frees)."""
+        box: list[Any] = []
         for i in range(len(actions)):
             a = actions[i]
             actions[i] = None  # type: ignore[call-overload]
             try:
-                if isinstance(a, (ForkRequest, UserDelete)):
-                    self.request(a, lambda e, m=a: self.queue.put(Acked(m, e)))
+                if isinstance(a, (ForkRequest, UserDelete, UserDeletes)):
+                    self.request(a, lambda e, m=a: self._on_acked(Acked(m, e)))
                 elif isinstance(a, (ChildAccept, RemoteRet)):
                     self.request(a, _ignore_ack, a.payload if isinstance(a, RemoteRet) else ())
                 elif isinstance(a, ServeFetch):
-                    self.rt.callbacks.submit(self.rt.callee.serve_fetch, a)
+                    if current_pool() is not None:  # a pool thread (set_value): user code may run here
+                        self.rt.callee.serve_fetch(a)
+                    else:
+                        self.rt.callbacks.submit(self.rt.callee.serve_fetch, a)
                 elif isinstance(a, Release):
                     # the value's destructor must run on the callback pool: hand over the
                     # only reference held here, then forget it (NOTE [Release home])
-                    box = [a.record]
-                    del a
-                    self.rt.callbacks.submit(box.clear)
-                    continue
+                    box.append(a.record)
             except transport.AgentClosed:
                 log.debug("protocol message %r not sent: transport closed", a)
             except RuntimeError as e:  # a stopped pool at close
                 log.debug("action %r dropped: %s", a, e)
             del a
+        if box:
+            try:
+                self.rt.callbacks.submit(box.clear)
+            except RuntimeError as e:  # a stopped pool at close
+                log.debug("release of %d value(s) dropped: %s", len(box), e)
+            del box
 
     def request(
         self, msg: Message, on_ack: Callable[[Any], None], frames: Sequence[Any] = (), attempt: int = 1,

@@ -34,12 +34,13 @@ NOTE [Creation acks]
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Sequence
 
 import transport
 
 from . import serialization as ser
-from .control import CreationLost, CreationSettled
+from .control import CreationLost
 from .errors import RRefCreationError, fresh
 from .futures import Future
 from .ids import ForkId
@@ -60,8 +61,9 @@ class CreationTracker:
         #: popped by whoever answers first, the finished call or the accept timer (owner side)
         self.accepts: dict[Any, tuple[int, int]] = {}
         #: fork id -> to_here futures of a not yet confirmed remote(), failed if it is lost
-        #: (creator side; futures remove themselves when done)
+        #: (creator side; removed by their answer, ``forget_fetch``); under ``_lock``
         self.fetches: dict[ForkId, list[Future[Any]]] = {}
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ creator side
     def send(self, msg: RemoteRequest, frames: Sequence[Any]) -> None:
@@ -89,12 +91,13 @@ class CreationTracker:
         error payload is unpickled on the callback pool (user code), never on the control
         or I/O thread; the context learns it on the control thread."""
         rt = self.rt
-        if status == OK:
-            rt.control.put(CreationSettled(fork_id, None))
+        if status == OK:  # no user code: the context learns it on this thread (NOTE [Inline protocol])
+            rt.control.perform(rt.ctx.on_remote_ret(fork_id, None))
             return
 
         def decode() -> None:
-            rt.control.put(CreationSettled(fork_id, ser.loads_error(frames, rt.worker_name(owner))))
+            err = ser.loads_error(frames, rt.worker_name(owner))
+            rt.control.perform(rt.ctx.on_remote_ret(fork_id, err))
 
         rt.callbacks.submit(decode)
 
@@ -104,17 +107,19 @@ class CreationTracker:
         self.settle(msg.rref_id, src, msg.status, frames)
 
     def add_fetch(self, fork_id: ForkId, fut: Future[Any]) -> None:
-        """A to_here() of an unconfirmed creation: it fails at once if the creation is lost."""
-        self.fetches.setdefault(fork_id, []).append(fut)
+        """A to_here() of an unconfirmed creation: it fails at once if the creation is lost.
+        Its answer calls ``forget_fetch`` (no done callback: that would cost a callback-pool
+        hop per to_here)."""
+        with self._lock:
+            self.fetches.setdefault(fork_id, []).append(fut)
 
-        def forget(f: Future[Any]) -> None:
+    def forget_fetch(self, fork_id: ForkId, fut: Future[Any]) -> None:
+        with self._lock:
             waiting = self.fetches.get(fork_id)
-            if waiting is not None and f in waiting:
-                waiting.remove(f)
+            if waiting is not None and fut in waiting:
+                waiting.remove(fut)
                 if not waiting:
-                    self.fetches.pop(fork_id, None)
-
-        fut.add_done_callback(forget)
+                    del self.fetches[fork_id]
 
     def on_lost(self, fork_id: ForkId, dest: int) -> None:
         """Control thread: the creation was never acknowledged (NOTE [Creation acks] 4)."""
@@ -124,7 +129,9 @@ class CreationTracker:
             f"of RRef {fork_id} after {rt.control_attempts} attempts (the message was lost)"
         )
         rt.control.perform(rt.ctx.abandon_user(fork_id, error))
-        for fut in self.fetches.pop(fork_id, ()):
+        with self._lock:
+            waiting = self.fetches.pop(fork_id, [])
+        for fut in waiting:
             fut._fail(fresh(error))
 
     # ------------------------------------------------------------------ owner side

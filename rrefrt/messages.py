@@ -22,6 +22,8 @@ header passed validation (``decode``), which is the only place meta is parsed.
     ForkRequest    RREF_FORK_REQUEST  19    child  -> owner        [rref_id, fork_id, parent]       -
     ChildAccept    RREF_CHILD_ACCEPT  20    child/owner -> parent  [fork_id]                        -
     UserDelete     RREF_USER_DELETE   21    user   -> owner        [rref_id, fork_id]               -
+    UserDeletes    RREF_USER_DELETES  23    user   -> owner        [[rref_id, fork_id], ...]        -
+                   several UserDelete in one message (NOTE [Drops] in rrefrt/control.py)
     RemoteRet      REMOTE_RET         22    owner  -> caller       [rref_id, status]                error if status ERROR
 
     response meta: [status, forks] or, answering PYTHON_REMOTE, [status, forks, done]
@@ -188,6 +190,26 @@ class UserDelete(_OwnerForkMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class UserDeletes:
+    """Several ``UserDelete`` to one owner in one message (the deletes of RRefs dropped
+    together: NOTE [Drops] in rrefrt/control.py). Handled and acknowledged as a whole."""
+
+    KIND: ClassVar[int] = 23
+    NAME: ClassVar[str] = "RREF_USER_DELETES"
+    dest: int  # the owner
+    deletes: tuple  #: ((rref_id, fork_id), ...)
+
+    def meta(self) -> list[Any]:
+        return [[rid.to_wire(), fid.to_wire()] for rid, fid in self.deletes]
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "UserDeletes":
+        if not meta:
+            raise ValueError("no deletes")
+        return cls(dest, tuple((_rid(rid), ForkId.from_wire(fid)) for rid, fid in meta))
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteRet:
     """The owner's result of a remote() whose answer was not ``done`` (an accept only).
     ``rref_id`` is also the creator's fork id."""
@@ -211,17 +233,18 @@ class RemoteRet:
         return cls(dest, _rid(rid), status)
 
 
-Message = PythonCall | RemoteRequest | Fetch | ForkRequest | ChildAccept | UserDelete | RemoteRet
+Message = PythonCall | RemoteRequest | Fetch | ForkRequest | ChildAccept | UserDelete | UserDeletes | RemoteRet
 
 #: the message table: wire kind -> class (docstring above); the runtime's handler table
 #: (rrefrt/runtime.py, ``Runtime.HANDLERS``) sits beside it, one entry per class
 MESSAGES: dict[int, type] = {
-    cls.KIND: cls for cls in (PythonCall, RemoteRequest, Fetch, ForkRequest, ChildAccept, UserDelete, RemoteRet)
+    cls.KIND: cls
+    for cls in (PythonCall, RemoteRequest, Fetch, ForkRequest, ChildAccept, UserDelete, UserDeletes, RemoteRet)
 }
 #: kind -> label, for the transport's fault hook and logs
 KIND_NAMES: dict[int, str] = {kind: cls.NAME for kind, cls in MESSAGES.items()}
 #: messages the control thread handles (the RRef protocol); the others run user code
-CONTROL_MESSAGES = (Fetch, ForkRequest, ChildAccept, UserDelete, RemoteRet)
+CONTROL_MESSAGES = (Fetch, ForkRequest, ChildAccept, UserDelete, UserDeletes, RemoteRet)
 
 
 def decode(kind: int, meta: Any, dest: int) -> Message:

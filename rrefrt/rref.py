@@ -153,7 +153,7 @@ class RRef(Generic[T]):
             return self._rt.owner_value(self._owner_rec, t)
         if _autograd.active():  # inside a distributed autograd context: record the transfer
             return _autograd.traced_call("rpc_sync", self._rt.rpc_sync, self._owner_id(), _autograd.fetch_value, (self,), None, timeout)
-        return self._rt.fetch(self, timeout).result()
+        return self._rt.fetch(self, timeout, waited=True).result()
 
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:
         """A Future of the value; ``await rref.to_here_async()`` in asyncio."""

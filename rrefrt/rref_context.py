@@ -386,6 +386,13 @@ class RRefContext:
                 return [ServeFetch(src, mid, rec) for src, mid in waiters]
             return self._drop_fork(rref_id, fork_id)
 
+    def on_user_deletes(self, deletes: Any) -> list[Action]:
+        """Several RREF_USER_DELETE at once (``messages.UserDeletes``), in their order."""
+        actions: list[Action] = []
+        for rref_id, fork_id in deletes:
+            actions += self.on_user_delete(rref_id, fork_id)
+        return actions
+
     def _drop_fork(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
         forks = self.forks.get(rref_id)
         if forks is None or forks.pop(fork_id, None) is None:

@@ -16,9 +16,10 @@ or a test) from the callbacks given to ``make_transport``, never here.
 
 Threads and what runs where:
     transport thread   decodes each message once (``messages.decode``), turns fork data into
-                       RRef objects (no user code), hands calls to the user pool and protocol
-                       messages to the control thread, completes futures lazily.
-    control thread     RRef protocol state and messages, retries, drops, peer deaths; never
+                       RRef objects (no user code), hands calls to the user pool, handles
+                       protocol messages itself (NOTE [Inline protocol] in control.py), serves
+                       fetches of plain values, completes futures lazily.
+    control thread     retries, RRef drops (``__del__``), lost creations, peer deaths; never
                        user code (see rrefrt/control.py).
     user pool          user functions (num_worker_threads, compensated when blocked).
     callback pool      callbacks of futures; serving fetches; releasing values; unpickling
@@ -37,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from .callee import Callee
 from .caller import Caller, translate
-from .control import ControlLoop, Dropped, Incoming, PeerDied
+from .control import ControlLoop, Incoming, PeerDied
 from .creation import ACCEPT_DELAY_S, CreationTracker
 from .errors import ShutdownError, WorkerUnavailableError
 from .futures import Future
@@ -52,6 +53,7 @@ from .messages import (
     RemoteRequest,
     RemoteRet,
     UserDelete,
+    UserDeletes,
     decode,
 )
 from .options import RpcBackendOptions, WorkerInfo
@@ -84,15 +86,16 @@ def _run_bound(rt: Any, fn: Callable[..., Any], args: tuple) -> None:
 
 class Runtime:
     #: the handler table, beside messages.MESSAGES: message class -> (part, method). All run
-    #: on the transport thread and only hand work on (to the pool or the control thread).
+    #: on the transport thread: they hand user code on (to a pool) and never block.
     HANDLERS: dict[type, tuple[str, str]] = {
         PythonCall: ("callee", "on_python_call"),
         RemoteRequest: ("callee", "on_remote_request"),
         RemoteRet: ("creation", "on_remote_ret"),
-        Fetch: ("runtime", "to_control"),
-        ForkRequest: ("runtime", "to_control"),
-        ChildAccept: ("runtime", "to_control"),
-        UserDelete: ("runtime", "to_control"),
+        Fetch: ("callee", "on_fetch"),
+        ForkRequest: ("runtime", "on_protocol"),
+        ChildAccept: ("runtime", "on_protocol"),
+        UserDelete: ("runtime", "on_protocol"),
+        UserDeletes: ("runtime", "on_protocol"),
     }
 
     def __init__(self, info: WorkerInfo, options: RpcBackendOptions, make_transport: MakeTransport) -> None:
@@ -213,8 +216,8 @@ class Runtime:
     def remote(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> RRef[Any]:
         return self.caller.remote(to, func, args, kwargs, timeout)
 
-    def fetch(self, rref: RRef[Any], timeout: float) -> Future[Any]:
-        return self.caller.fetch(rref, timeout)
+    def fetch(self, rref: RRef[Any], timeout: float, waited: bool = False) -> Future[Any]:
+        return self.caller.fetch(rref, timeout, waited)
 
     def owner_value(self, rec: OwnerRecord, timeout: float) -> Any:
         return self.caller.owner_value(rec, timeout)
@@ -222,7 +225,7 @@ class Runtime:
     def enqueue_drop(self, fork_id: ForkId) -> None:
         """RRef.__del__: never sends, never blocks (a SimpleQueue put)."""
         if not self.closed:
-            self.control.put(Dropped(fork_id))
+            self.control.drop(fork_id)
 
     # ------------------------------------------------------------------ transport callbacks
     def on_message(self, src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
@@ -238,7 +241,13 @@ class Runtime:
         except Exception:  # e.g. fork data naming an impossible owner: nothing was run
             self.stats["bad_frames_dropped"] += 1
 
+    def on_protocol(self, src: int, msg_id: int, msg: Any, frames: Sequence[Any]) -> None:
+        """Fork requests, child accepts and deletes: handled on this (the transport's) thread
+        (NOTE [Inline protocol] in rrefrt/control.py)."""
+        self.control.on_incoming(src, msg_id, msg)
+
     def to_control(self, src: int, msg_id: int, msg: Any, frames: Sequence[Any]) -> None:
+        """The old route of protocol messages, through the control thread (kept for tools)."""
         self.control.put(Incoming(src, msg_id, msg))
 
     def on_peer_dead(self, peer: int, cause: str) -> None:

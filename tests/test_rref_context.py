@@ -144,7 +144,8 @@ class SimWorker:
         target = getattr(fn, "__self__", None)
         if isinstance(target, list):  # NOTE [Release home]: box.clear of a released record
             if target:
-                self.m._check_release(self.id, target[0])
+                for rec in target:  # the Releases of one action list share a box
+                    self.m._check_release(self.id, rec)
         elif getattr(fn, "__func__", None) is Callee.serve_fetch:  # serialization is not modelled
             (sf,) = args
             self.m.net.append(Msg("fetch_ret", self.id, sf.src, {"msg_id": sf.msg_id, "rec": sf.record}))

@@ -324,6 +324,80 @@ def test_fork_request_is_acked_and_registered(group: Group) -> None:
     assert rid not in w1.ctx.forks and fid in w1.ctx.deleted_forks
 
 
+def owned_here() -> int:
+    return int(rrefrt.get_debug_info()["num_owner_rrefs"])
+
+
+def test_the_rref_protocol_runs_off_the_control_thread(group: Group) -> None:
+    """NOTE [Inline protocol] and NOTE [Drops]: with every control thread stopped, a
+    remote() settles, to_here() is answered (a plain value inline, on the thread that read
+    the fetch), a user->user fork is requested, confirmed and accepted, and the deletes of
+    dropped RRefs leave before the next call, several to one owner in one message; an
+    rpc_sync costs no callback-pool task even where torch is imported (WaitedFuture)."""
+    pytest.importorskip("torch")  # rrefrt's futures are torch futures once torch is imported
+    w0, w1, w2 = group.rts
+    for rt in group.rts:
+        rt.control.stop(5.0)
+        assert not rt.control._thread.is_alive()
+    labels: list[str] = []
+    w0.transport.fault_hook = lambda dest, label: (labels.append(label), [0.0])[1]
+    submitted: list[str] = []
+    for rt in (w0, w1):
+        for name in ("submit", "submit_batched"):
+            real = getattr(rt.callbacks, name)
+            setattr(rt.callbacks, name, lambda *a, _real=real, _rt=rt.info.name, **k: (
+                submitted.append(f"{_rt}: {getattr(a[0], '__qualname__', a[0])}"), _real(*a, **k))[1])
+    with group.as_worker(0):
+        base = rrefrt.rpc_sync("w1", owned_here)
+        assert rrefrt.rpc_sync("w1", add, args=(1, 2)) == 3
+        rref = rrefrt.remote("w1", add, args=(2, 3))
+        assert rref.to_here() == 5
+        poll_for(rref.confirmed_by_owner, 5, "the creation settled without the control thread")
+        assert rref.to_here() == 5  # a ready plain value: answered by the reader of the fetch
+        assert submitted == [], submitted
+        box = rrefrt.remote("w1", Box, args=("forked",))
+        assert rrefrt.rpc_sync("w2", forward, args=(box,)) == "forked"  # fork request, confirm, accept
+        poll_for(lambda: w0.ctx.counts()["num_pending_children"] == 0, 5, "the child's accept arrived")
+        more = [rrefrt.remote("w1", add, args=(i, i)) for i in range(5)]
+        for r in more:
+            poll_for(r.confirmed_by_owner, 5)
+        del rref, box, more, r
+        gc.collect()
+        w2.control.flush_drops()  # w2's copy of the box went away on w2; nothing else sends from w2
+        assert rrefrt.rpc_sync("w1", owned_here) == base  # the deletes left before this call
+        last = rrefrt.remote("w1", add, args=(1, 1))
+        poll_for(last.confirmed_by_owner, 5)
+        del last
+        gc.collect()
+        with w0.ctx._lock:  # a call from a destructor run inside the context: no deadlock
+            assert rrefrt.rpc_sync("w1", add, args=(1, 2)) == 3
+        assert w0.control.drops  # left for the control thread (or the next call)
+        assert rrefrt.rpc_sync("w1", owned_here) == base
+    assert "RREF_USER_DELETES" in labels, labels
+    assert labels.count("RREF_USER_DELETE") <= 1, labels
+    poll_for(lambda: w0.ctx.counts() == dict.fromkeys(w0.ctx.counts(), 0), 5, lambda: w0.ctx.counts())
+
+
+def test_release_rrefs_collects_garbage_only_for_strict_leak_checks(group: Group, monkeypatch: Any) -> None:
+    """Shutdown deletes every user fork, referenced or not: a full gc.collect() (~95 ms per
+    rank with torch loaded) is needed only to tell live RRefs from garbage in strict mode."""
+    import rrefrt.lifecycle as lifecycle
+
+    w0 = group.rts[0]
+    collected: list[int] = []
+    monkeypatch.setattr(lifecycle.gc, "collect", lambda *a: collected.append(1) or 0)
+    with group.as_worker(0):
+        rref = rrefrt.remote("w1", add, args=(1, 1))
+        poll_for(rref.confirmed_by_owner, 5)
+    assert w0.release_rrefs(time.monotonic() + 5) == []
+    assert collected == []
+    assert w0.ctx.counts()["num_confirmed_users"] == 0  # deleted although still referenced
+    w0.options.strict_rref_leaks = True
+    w0.release_rrefs(time.monotonic() + 5)
+    assert collected == [1]
+    del rref
+
+
 # ------------------------------------------------------------------ the inproc transport itself
 def test_inproc_transport_is_a_transport_and_calls_back_on_the_hub_thread() -> None:
     from transport import base
