@@ -83,8 +83,11 @@ def run_one(seed: int, duration: float = 1.2) -> dict[str, Any]:
         victim = workers.procs[2]
         survivors_only = disruption in ("kill", "stop")
         if disruption in ("kill", "stop"):
-            # a disruption at a random moment of the workload (process start included)
-            threading.Event().wait(rng.uniform(0.8, 0.8 + duration))
+            # a disruption at a random moment of the workload, once the victim is in the group
+            # (a kill during init_rpc makes the others fail init after init_timeout, with a
+            # RendezvousError: tests/test_rendezvous.py's business, and 20 s of a run)
+            _wait_file(os.path.join(marks, "w2.ready"), 30)
+            threading.Event().wait(rng.uniform(0.0, duration))
             os.kill(victim.pid, signal.SIGKILL if disruption == "kill" else signal.SIGSTOP)
         elif disruption == "stop_near":
             _wait_file(os.path.join(marks, "w2.ready"), 30)
