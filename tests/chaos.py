@@ -1,14 +1,21 @@
 """Chaos runs: a seeded mix of message drops, delays, duplicates and reordering, with at most
-one SIGKILL or SIGSTOP of a worker per run, against a 3-worker group doing RRef work.
+one disruption of a worker (w2) per run, against a 3-worker group doing RRef work.
 
-Used by tests/test_chaos.py (a few dozen seeds in CI) and scripts/chaos.py (long campaigns).
-``run_one(seed)`` returns a dict of facts; ``check(result)`` lists the violated criteria:
-0 hangs, 0 orphan processes, 0 leaked OwnerRRefs on the survivors when no worker died or
-one was SIGKILLed (issue 11 item 5: G3 frees what the dead worker held, forks in flight
-from or to it included, and failed calls do not pin their RRef arguments - NOTE [Error
-frames] in rrefrt/callee.py), and every error a documented RpcError subclass (or the user
-exception a call raised on purpose). SIGSTOP runs do not count leaks yet: a worker stopped
-near the heartbeat timeout can be fenced by one peer and not another (issue 11 item 3).
+Used by tests/test_chaos.py (a couple of dozen seeds in CI) and scripts/chaos.py (long
+campaigns). ``run_one(seed)`` returns a dict of facts; ``check(result)`` lists the violated
+criteria. The disruption is chosen by seed (``KINDS``): none; SIGKILL or SIGSTOP (for good)
+of w2 at a random moment once it is in the group; "stop_near", a SIGSTOP just under or just
+over the heartbeat timeout (``NEAR``) followed by SIGCONT; "large", one 200 MB result from
+w2 over CURVE (its transfer outlasts the heartbeat timeout), which in half of those runs is
+stalled by a SIGSTOP of w2 while it is on its way. Criteria, in every run: 0 hangs, 0 orphan
+processes, 0 OwnerRRefs left on the survivors (deaths and stops included: issue 11 item 5,
+G3 frees what a dead worker held, forks in flight from or to it included, and failed calls
+do not pin their RRef arguments - NOTE [Error frames] in rrefrt/callee.py), and every error
+a documented RpcError subclass (or the user exception a call raised on purpose); for
+"stop_near", consistent membership (w2 is dead for every other worker or for none, it knows
+it was fenced exactly when it was, and its next call fails fast with a typed error or
+succeeds); for "large", the result arrives, or a stalled one fails with a typed error within
+``STALL_BOUND_S`` of the stop.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Seeded chaos runs in CI: drops, delays, duplicates, reordering, and one kill or SIGSTOP
-in half of the runs. Pass: 0 hangs, 0 orphans, 0 leaked OwnerRRefs unless a worker was stopped,
-only documented errors. Long campaigns: ``python scripts/chaos.py --runs 500``."""
+"""Seeded chaos runs in CI: drops, delays, duplicates, reordering, and in most runs a kill,
+a SIGSTOP, a SIGSTOP near the heartbeat timeout, or a 200 MB result (tests/chaos.py).
+Pass: 0 hangs, 0 orphans, 0 leaked OwnerRRefs (deaths and stops included), only documented
+errors, consistent membership, large results delivered or failing typed within bounds.
+Long campaigns: ``python scripts/chaos.py --runs 500``."""
 
 from __future__ import annotations
 
