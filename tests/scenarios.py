@@ -205,3 +205,40 @@ def hold_many_rrefs_at_shutdown(spec: dict) -> dict:
     except rrefrt.RpcError as e:
         error = f"{type(e).__name__}: {e}"
     return {"error": error, "took": time.monotonic() - t0, "held": len(held)}
+
+
+def fenced_owner(spec: dict) -> dict:
+    """w1 owns values that w0 holds; tests/test_chaos.py stops w1 past the heartbeat
+    timeout and resumes it (touching ``resumed``): the fenced w1 must free them."""
+    rank, marks = spec["rank"], spec["marks"]
+    out: dict = {}
+    held = []
+    if rank == 0:
+        held = [rrefrt.remote("w1", fns.identity, args=(i,)) for i in range(5)]
+        out["values"] = [r.to_here() for r in held]
+    open(os.path.join(marks, f"w{rank}.ready"), "w").close()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(marks, "resumed")) and time.monotonic() < deadline:
+        threading_event_wait(0.02)
+    if rank == 1:
+        t0 = time.monotonic()
+        deadline = t0 + 4
+        while time.monotonic() < deadline:  # learning it was fenced and freeing take a moment
+            gc.collect()
+            out["membership"], out["counts"] = fns.membership(), fns.owner_counts()
+            if out["membership"]["fenced"]:
+                out.setdefault("fenced_after", time.monotonic() - t0)
+                if out["counts"]["num_owner_rrefs"] == 0:
+                    out["freed_after"] = time.monotonic() - t0
+                    break
+            threading_event_wait(0.02)
+        open(os.path.join(marks, "w1.done"), "w").close()
+    else:  # w0 stays until w1 has counted (its leaving would look like a death to w1)
+        deadline = time.monotonic() + 15
+        while not os.path.exists(os.path.join(marks, "w1.done")) and time.monotonic() < deadline:
+            threading_event_wait(0.02)
+    try:
+        rrefrt.shutdown()
+    except rrefrt.RpcError as e:
+        out["shutdown"] = type(e).__name__
+    return out
