@@ -33,12 +33,15 @@ def summary(results: list) -> str:
     fenced = sum(bool((r["workers"]["w2"].get("membership") or {}).get("fenced")) for r in near)
     large = [r for r in results if r["disruption"] == "large"]
     stalled = sum("stalled_at" in r for r in large)
+    delivered = [(r["workers"].get("w0") or {}).get("large") or {} for r in large if "stalled_at" not in r]
+    slow = sum(d.get("ok", False) and d.get("took", 0) > d.get("hb_timeout", 1.5) for d in delivered)
     lines = [
         f"runs {len(results)} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})",
         f"hangs {hangs}, orphans {orphans}, leaks {leaked} OwnerRRefs in {len(leaky)} runs "
         f"({', '.join(f'{k} {n}' for k, n in sorted(collections.Counter(r['disruption'] for r in leaky).items())) or 'none'})",
         f"stop_near: w2 fenced by all in {fenced} of {len(near)} runs, by none in the rest",
-        f"large: {len(large) - stalled} delivered, {stalled} stalled by a SIGSTOP",
+        f"large: {len(large) - stalled} not stalled ({slow} delivered in longer than the heartbeat timeout), "
+        f"{stalled} stalled by a SIGSTOP",
         f"failures {len(failed)}"
         + "".join(f"\n  seed {r['seed']} {r['disruption']}: {'; '.join(r['problems'])[:600]}" for r in failed),
     ]

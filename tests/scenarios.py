@@ -130,6 +130,12 @@ def chaos_worker(spec: dict) -> dict:
         extra["large"] = _large_call(spec, note)
     if disruption == "stop_near":
         extra["membership"], extra["probe"] = _settled_membership(spec, note)
+    if marks and rank == 0:  # the others count what they own once the driver is done
+        open(os.path.join(marks, "w0.done"), "w").close()
+    elif marks:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(marks, "w0.done")) and time.monotonic() < deadline:
+            threading_event_wait(0.02)
     gc.collect()
     faults.clear()  # the end of the run is checked on a clean network
     left = {}
@@ -156,7 +162,7 @@ def _large_call(spec: dict, note: Any) -> dict:
     t0 = time.monotonic()
     try:
         data = rrefrt.rpc_sync("w2", fns.big_result, args=(size, os.path.join(spec["marks"], "big.sent")), timeout=120)
-        return {"ok": len(data) == size, "took": time.monotonic() - t0}
+        return {"ok": len(data) == size, "took": time.monotonic() - t0, "hb_timeout": spec["options"]["heartbeat_timeout"]}
     except Exception as e:
         note(e)
         return {"ok": False, "error": type(e).__name__, "message": str(e)[:300], "failed_at": time.monotonic(),
