@@ -148,6 +148,13 @@ def chaos_worker(spec: dict) -> dict:
             if left["num_owner_rrefs"] == 0 and left["num_pending_users"] == 0 and left["num_pending_children"] == 0:
                 break
             threading_event_wait(0.05)
+        if left.get("num_owner_rrefs"):  # for the diagnosis of a leak: who holds the forks, who is dead
+            from rrefrt import state
+
+            ctx = state.current().ctx
+            holders = [h for fs in list(ctx.forks.values()) for h in list(fs.values())]
+            left["fork_holders"] = {str(h): holders.count(h) for h in set(holders)}
+            left["dead"] = sorted(ctx.dead)
         rrefrt.shutdown()
     except Exception as e:
         note(e)
