@@ -3,7 +3,7 @@
 Owns: the mapping from the variables that torchrun, ``rrefrt-run``, SLURM (``srun``), Open MPI
 (``mpirun``) and other PMI-based MPI launchers set, to the torch names the runtime uses
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT), and
-SLURM hostlist expansion. Standard library only, no I/O, no globals: the runtime imports it
+SLURM hostlist expansion. Standard library and the leaf ``rrefrt.errors`` only, no I/O, no globals: the runtime imports it
 (``from rrefrt.environment import resolve_env``; the launcher re-exports it as ``rrefrt.run.env``) and must not pay for anything else.
 
 Precedence, per variable: a torch variable that is present wins (``rrefrt-run`` and torchrun
@@ -26,6 +26,8 @@ import itertools
 import re
 from collections.abc import Mapping
 
+from .errors import RpcError
+
 __all__ = ["EnvError", "resolve_env", "detect_engine", "hosted_store", "expand_hostlist"]
 
 #: The names resolve_env may return, in the order the docs list them.
@@ -44,8 +46,10 @@ _PMI = {"RANK": "PMI_RANK", "WORLD_SIZE": "PMI_SIZE", "LOCAL_RANK": "MPI_LOCALRA
         "LOCAL_WORLD_SIZE": "MPI_LOCALNRANKS"}
 
 
-class EnvError(ValueError):
-    """An environment variable that names the job's layout is malformed or inconsistent."""
+class EnvError(RpcError, ValueError):
+    """An environment variable that names the job's layout is malformed or inconsistent, or
+    ``init_method`` / the rank and world size given to init_rpc cannot describe a group.
+    An ``RpcError`` like every error rrefrt raises, and a ``ValueError`` for older catchers."""
 
 
 def detect_engine(environ: Mapping[str, str]) -> str:

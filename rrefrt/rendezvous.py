@@ -58,7 +58,7 @@ from urllib.parse import unquote, urlparse
 
 import msgpack
 
-from .environment import resolve_env
+from .environment import EnvError, resolve_env
 from .errors import AuthenticationError, RpcError, ShutdownError
 from .store import PortInUseError, StoreAuthError, StoreClient, StoreClosed, StoreError, StoreServer
 from .torch_store import TorchStore, agent_store, default_group_store, file_store
@@ -136,27 +136,27 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
     if init_method.startswith("tcp://"):
         url = urlparse(init_method)
         if not url.hostname or not url.port:
-            raise ValueError(f"init_method {init_method!r} must be tcp://host:port")
+            raise EnvError(f"init_method {init_method!r} must be tcp://host:port")
         addr, port = url.hostname, url.port
     elif init_method.startswith("file://"):
         file_path = unquote(urlparse(init_method).path)
         if not file_path:
-            raise ValueError(f"init_method {init_method!r} must be file:///path/to/a/shared/file")
+            raise EnvError(f"init_method {init_method!r} must be file:///path/to/a/shared/file")
         addr, port = env.get("MASTER_ADDR") or "127.0.0.1", 0
     else:
         addr, port_s = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if not addr or not port_s:
-            raise ValueError(
+            raise EnvError(
                 "init_method 'env://' needs MASTER_ADDR and MASTER_PORT in the environment "
                 "(or use init_method='tcp://host:port', or start the job with rrefrt-run)"
             )
         try:
             port = int(port_s)
         except ValueError:
-            raise ValueError(f"MASTER_PORT must be an integer, got {port_s!r}") from None
+            raise EnvError(f"MASTER_PORT must be an integer, got {port_s!r}") from None
     if rank is None or rank < 0:
         if "RANK" not in env:
-            raise ValueError(  # torch's phrases, which its tests match
+            raise EnvError(  # torch's phrases, which its tests match
                 "no rank given (rank parameter missing; environment variable RANK expected): pass rank=... to "
                 "init_rpc or set RANK in the environment")
         rank = int(env["RANK"])
@@ -165,7 +165,7 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
             return GroupSpec(addr, port, rank, DYNAMIC, file_path)
         world_size = int(env["WORLD_SIZE"])
     if world_size < 1 or rank < 0:
-        raise ValueError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
+        raise EnvError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
     return GroupSpec(addr, port, rank, world_size, file_path)
 
 
@@ -274,8 +274,11 @@ class Rendezvous:
         if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
             return agent_store(spec.master_addr, spec.master_port, timeout)
         if env.get("RREFRT_STORE_HOSTED") == "1":
-            # rrefrt-run's store: authenticated once the launcher passes it the secret
-            return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, False, self._me)
+            # rrefrt-run's store authenticates with the launcher's secret, which the launcher
+            # put in RREFRT_SECRET (the program may use another one for its own traffic);
+            # with a secret, a store that does not authenticate is refused (a forged one)
+            store_secret = env.get("RREFRT_SECRET") or None
+            return StoreClient(spec.master_addr, spec.master_port, timeout, store_secret, identity=self._me)
         self._rank0_store = True
         if spec.rank == 0:
             try:

@@ -57,6 +57,10 @@ def test_three_workers_get_the_environment_contract(procs, tmp_path):
         assert int(env["RREFRT_CPU_THREADS"]) >= 1
         assert env["OMP_NUM_THREADS"] == env["RREFRT_CPU_THREADS"]
         assert recs[r]["store_reachable"] is True
+        # the store authenticates with the job secret: without it a client can do nothing
+        assert recs[r]["store_without_secret"].startswith("refused: authentication failed"), recs[r]
+        assert "needs the job secret" in recs[r]["store_without_secret"]
+        assert recs[r]["store_with_secret"] is True
         assert recs[r]["name"] == "__main__"
         assert recs[r]["argv"][0] == WORKER and recs[r]["argv"][-2:] == ["--user-flag", "x"]
         assert recs[r]["path0"] == SCRIPTS

@@ -99,6 +99,30 @@ def test_bad_values_name_the_variable(env, message):
 
 
 @pytest.mark.timeout(10)
+def test_environment_and_init_method_errors_are_rpc_errors(monkeypatch):
+    """Issue 11 item 8: every error a user sees derives from RpcError (EnvError stays a
+    ValueError too, so existing ``except ValueError`` keeps working)."""
+    import rrefrt
+    from rrefrt.rendezvous import resolve
+
+    with pytest.raises(rrefrt.RpcError, match="RANK='x'") as info:
+        resolve_env({"RANK": "x", "WORLD_SIZE": "2"})
+    assert isinstance(info.value, ValueError)
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for init_method, rank, world_size, message in [
+        ("env://", 0, 2, "needs MASTER_ADDR and MASTER_PORT"),
+        ("tcp://nohost", 0, 2, "must be tcp://host:port"),
+        ("tcp://127.0.0.1:1234", -1, 2, "no rank given"),
+        ("tcp://127.0.0.1:1234", 0, None, "no world_size given"),
+        ("tcp://127.0.0.1:1234", 0, 0, "rank must be in"),
+    ]:
+        with pytest.raises(EnvError, match=message) as info:
+            resolve(init_method, rank, world_size)
+        assert isinstance(info.value, rrefrt.RpcError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.timeout(10)
 def test_hosted_store():
     assert hosted_store({"RREFRT_STORE_HOSTED": "1"}) == "rrefrt"
     assert hosted_store({"TORCHELASTIC_USE_AGENT_STORE": "True"}) == "torch"

@@ -239,6 +239,20 @@ def test_rendezvous_secret_on_some_nodes_only(store):
     t.join(10)
 
 
+@pytest.mark.timeout(20)
+def test_rendezvous_fails_on_a_launcher_refused_for_its_secret(store):
+    """Node 0's store authenticates with the secret: a launcher it refused (another secret,
+    or none) fails node 0's rendezvous at once, named; other refused clients do not."""
+    refused = ["worker 'x' (rank 3)"]
+    t, box = _in_thread(lambda: rendezvous(store(), _info(0, secret="s"), "here", 5, lambda: refused))
+    poll_for(lambda: store().check(["launcher/node/0"]), time.monotonic() + 5, "node 0")
+    refused.append("rrefrt-run node 1 (host h1, pid 7)")
+    t.join(10)
+    err = box.get("error")
+    assert isinstance(err, LaunchError) and "different RREFRT_SECRET values" in str(err), box
+    assert "rrefrt-run node 1 (host h1, pid 7) was refused" in str(err)
+
+
 # ---- output -------------------------------------------------------------------------
 
 @pytest.mark.timeout(20)

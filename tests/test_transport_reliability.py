@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from typing import Any
 
 import pytest
 
@@ -199,6 +200,37 @@ def test_a_worker_fenced_while_it_joins_fails_its_join_at_once_naming_who(mesh: 
     print(f"\n[reliability] A fenced while joining: connect_peers failed after {time.monotonic() - t0:.2f}s: {err}")
     assert isinstance(err, Fenced) and "'B'" in str(err) and "a test said so" in str(err), repr(err)
     assert c.agent is not None
+
+
+def test_a_worker_out_of_the_group_cannot_expel_the_others(mesh: Mesh) -> None:
+    """Found by the chaos campaign (all three workers fenced after a stop near the heartbeat
+    timeout under heavy load): a worker the others hold dead, which judged one of them dead
+    before it learnt that it was out, expelled it with FENCED; and an expelled worker still
+    told the group about its own verdicts."""
+    a = mesh.local(0, "A", HB)
+    b = mesh.child(1, "B", HB)
+    c = mesh.child(2, "C", HB)
+    mesh.join(a, [b, c])
+    # A holds C dead, and C does not know it yet (A told nobody)
+    a.agent._hb.table.declare(2, "a test said so")  # type: ignore[attr-defined]
+    dropped0 = a.agent.stats["fenced_dropped"]
+    c.send_line({"cmd": "declare", "peer": 0, "cause": "C judged A dead"})  # C tells A FENCED, B a notice
+    # (B trusts C's notice and holds A dead: B will fence A in turn - a consistent outcome)
+    poll_for(lambda: a.agent.stats["fenced_dropped"] > dropped0, 5, "A dropping the FENCED of C, which it holds dead")
+    # an expelled worker tells nobody anything any more
+    def stats_of(peer: Any) -> dict:
+        peer.send_line({"cmd": "stats"})
+        return peer.expect("stats", 5)["stats"]
+
+    b.send_line({"cmd": "declare", "peer": 2, "cause": "B judged C dead"})  # B tells C FENCED
+    poll_for(lambda: stats_of(c).get("fenced"), 10, "C told it was fenced")
+    before = stats_of(c)
+    c.send_line({"cmd": "declare", "peer": 1, "cause": "the expelled C judged B dead"})
+    poll_for(lambda: stats_of(c).get("peers_declared_dead", 0) > before.get("peers_declared_dead", 0), 10,
+             "C's own verdict on B")
+    after = stats_of(c)
+    assert after.get("fenced_sent", 0) == before.get("fenced_sent", 0), (before, after)
+    assert after.get("dead_notices_sent", 0) == before.get("dead_notices_sent", 0), (before, after)
 
 
 @pytest.mark.timeout(90)

@@ -333,3 +333,21 @@ def ping_pong(to: str, back: str, depth: int) -> Any:
 
 def pool_stats() -> dict:
     return rrefrt.state.current().pool.stats()
+
+
+def membership() -> dict:
+    """Who this worker considers dead (ranks) and whether it was told it is fenced."""
+    from rrefrt import state
+
+    rt = state.current()
+    return {"dead": sorted(rt.transport.dead_peers()), "fenced": int(dict(rt.transport.stats).get("fenced", 0)) > 0}
+
+
+def big_result(size: int, marker: str = "") -> bytes:
+    """A result of ``size`` bytes; touches ``marker`` just before returning (the test may
+    stop this worker while the result is on its way)."""
+    data = bytes(size)
+    if marker:
+        with open(marker, "w"):
+            pass
+    return data

@@ -16,7 +16,8 @@ Rules:
    only hand work on, and run guarded (an exception is logged and counted).
 3. Every request has a deadline or is bounded by peer death: when a peer is declared dead
    every request pending on it fails with ``PeerUnavailable`` naming it, and its late
-   messages are dropped for the life of the transport (it is fenced, and told so).
+   messages are dropped for the life of the transport (it is fenced, and told so). Fenced
+   itself, it reports every peer to ``on_peer_dead`` and tells nobody (issue 11 item 5).
 4. With a secret every connection, accepted or made, passes CURVE and the ZAP handler
    before libzmq hands over any of its messages (NOTE [Authentication] in
    ``transport.security``).
@@ -129,9 +130,7 @@ class ZmqTransport:
         #: bound before the sockets bind, closed after them (NOTE [Authentication], Rule 3)
         self._zap = security.ZapHandler(self._ctx, auth, self.stats) if auth is not None else None
         self._sock = self._make_socket()
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | security.HANDSHAKE_EVENTS
-        )
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | security.HANDSHAKE_EVENTS)
         self._policy = JoinPolicy(c.name, self.stats)
         self.table = LivenessTable(c.heartbeat_timeout, c.route_grace, time.monotonic)
         self._hb = Heartbeat(
@@ -557,9 +556,15 @@ class ZmqTransport:
         self.stats["fenced"] += 1
         self._all_up.set()  # a join still waiting fails now (NOTE [Fenced while joining])
         try:
-            self._loop.call_soon(lambda: self._fail_everything(self._fenced))
+            self._loop.call_soon(self._expelled)
         except LoopClosed:
             pass
+
+    def _expelled(self) -> None:
+        assert self._fenced is not None
+        self._fail_everything(self._fenced)
+        for pid in [p for p in self._peers if p != self.id and p not in self.table.dead()]:
+            self._loop.guard(self._on_peer_dead, "on_peer_dead", pid, f"this worker was expelled: {self._fenced}")
 
     def _fail_everything(self, err: BaseException) -> None:
         tables = [p.pending for p in self._peers.values()] + [self._self_pending]

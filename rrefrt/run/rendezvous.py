@@ -15,6 +15,15 @@ Store keys (values are JSON unless said otherwise):
     launcher/rdzv_error  {"node", "host", "message"}: a node gave up on the rendezvous
     launcher/rdzv_seen/<r>  node r read rdzv_error (node 0 keeps the store up until then)
 
+NOTE [Store authentication] (issue 11 item 13)
+  With a job secret (always on a single node: the launcher makes one; on several nodes when
+  RREFRT_SECRET is set) node 0's store authenticates every client with it (the HMAC
+  challenge of rrefrt.store): a local process without the secret can neither read nor write
+  a key. Launchers prove the secret too; a launcher with another secret (or none) is refused
+  and says so, and node 0 fails its rendezvous naming it. A launcher with a secret still
+  accepts node 0's store when it does not authenticate, so that the fingerprints in
+  ``launcher/node/<r>`` report a secret set on some nodes only; workers never accept that.
+
 NOTE [Who holds the store]
   Node 0's launcher hosts the store for the whole job (workers reach it with
   RREFRT_STORE_HOSTED=1), so it must outlive every worker on every node: after its own
@@ -40,7 +49,7 @@ from rrefrt.store import StoreClient, StoreError, StoreTimeout
 
 from .config import LaunchError
 
-__all__ = ["NodeInfo", "World", "rendezvous", "NodeMonitor", "secret_fingerprint"]
+__all__ = ["NodeInfo", "World", "rendezvous", "NodeMonitor", "secret_fingerprint", "secret_refused"]
 
 log = logging.getLogger("rrefrt.run.rendezvous")
 
@@ -89,14 +98,17 @@ class World:
 RDZV_ERROR_KEY = PREFIX + "rdzv_error"
 
 
-def rendezvous(client: StoreClient, me: NodeInfo, where: str, timeout: float) -> World:
+def rendezvous(client: StoreClient, me: NodeInfo, where: str, timeout: float,
+               refused: Callable[[], list[str]] | None = None) -> World:
     """Register this node and wait, at most ``timeout`` seconds, for all the others.
 
     A node that gives up (timeout, disagreement) publishes why, so every other node fails
-    with the same explanation instead of a lost connection.
+    with the same explanation instead of a lost connection. ``refused`` (node 0, whose store
+    authenticates): who the store refused for the secret; a refused launcher fails the
+    rendezvous (NOTE [Store authentication]).
     """
     try:
-        return _rendezvous(client, me, where, timeout)
+        return _rendezvous(client, me, where, timeout, refused)
     except LaunchError as e:
         if not getattr(e, "from_peer", False):
             try:
@@ -132,7 +144,23 @@ def _peer_gave_up(client: StoreClient, me: NodeInfo) -> None:
     raise e
 
 
-def _rendezvous(client: StoreClient, me: NodeInfo, where: str, timeout: float) -> World:
+def secret_refused(node_rank: int, err: Exception) -> str:
+    """The launcher of ``node_rank`` was refused by node 0's store (or refused it)."""
+    return (f"node {node_rank} could not join the job's store: nodes were started with different "
+            f"RREFRT_SECRET values (or it is set on some nodes only): {err}; set the same "
+            "RREFRT_SECRET on every node")
+
+
+def _check_refused(refused: Callable[[], list[str]] | None) -> None:
+    launchers = [who for who in (refused() if refused else []) if who.startswith("rrefrt-run node ")]
+    if launchers:
+        raise LaunchError(f"nodes were started with different RREFRT_SECRET values (or it is set on some "
+                          f"nodes only): {launchers[-1]} was refused by the store of node 0, which "
+                          "authenticates with its RREFRT_SECRET; set the same RREFRT_SECRET on every node")
+
+
+def _rendezvous(client: StoreClient, me: NodeInfo, where: str, timeout: float,
+                refused: Callable[[], list[str]] | None = None) -> World:
     if client.add(_key("claim", me.node_rank), 1) != 1:
         other = _read_info(client, me.node_rank)
         by = f" (host {other.host}, pid {other.pid})" if other else ""
@@ -144,6 +172,7 @@ def _rendezvous(client: StoreClient, me: NodeInfo, where: str, timeout: float) -
     deadline = time.monotonic() + timeout
     while True:
         _peer_gave_up(client, me)
+        _check_refused(refused)
         arrived = _arrived(client, me.nnodes)
         _check_agreement(me, arrived)
         if len(arrived) == me.nnodes:
@@ -221,10 +250,10 @@ class NodeMonitor(threading.Thread):
     ``wake`` is called after each event is queued, from this thread.
     """
 
-    def __init__(self, host: str, port: int, world: World, node_timeout: float,
+    def __init__(self, client: StoreClient, world: World, node_timeout: float,
                  wake: Callable[[], None]) -> None:
         super().__init__(name="rrefrt-run-monitor", daemon=True)
-        self._client = StoreClient(host, port, connect_timeout=10.0)
+        self._client = client  #: its own connection to the job's store (closed by stop())
         self._world = world
         self._node_timeout = node_timeout
         self._wake = wake

@@ -34,14 +34,14 @@ import time
 from collections.abc import Callable, Mapping
 from types import FrameType
 
-from rrefrt.store import PortInUseError, StoreClient, StoreError, StoreServer
+from rrefrt.store import PortInUseError, StoreAuthError, StoreClient, StoreError, StoreServer
 
 from . import report
 from .dynamic import DynamicJob, parse_join
 from .config import LaunchConfig, LaunchError, UsageError
 from .devices import DevicePlan, plan_devices, usable_cores, visible_gpus
 from .output import Console, OutputPump, tail_of_file
-from .rendezvous import (NodeMonitor, World, linger_after_failed_rendezvous, local_node_info,
+from .rendezvous import (NodeMonitor, World, linger_after_failed_rendezvous, local_node_info, secret_refused,
                          publish_abort, publish_done, rendezvous)
 from .workers import Worker, WorkerSpec, build_argv, group_members, signal_name, worker_environ
 
@@ -85,6 +85,8 @@ class Supervisor:
         self._watch_r, self._watch_w = os.pipe()  # NOTE [Workers never outlive the launcher]
         self._store: StoreServer | None = None
         self._client: StoreClient | None = None
+        self._secret: str | None = None  #: the job's secret: the store and the workers use it
+        self._identity = "rrefrt-run"  #: how this launcher names itself to the store
         self._monitor: NodeMonitor | None = None
         self._pump: OutputPump | None = None
         self._world: World | None = None
@@ -131,12 +133,16 @@ class Supervisor:
         addr, port = cfg.resolved_master_addr, cfg.resolved_master_port
         if cfg.join is not None:
             addr, port = parse_join(cfg.join)
-        elif cfg.is_master:
-            self._store = self._host_store(addr, port)
+        elif cfg.is_master:  # NOTE [Store authentication]: with a secret, clients must prove it
+            self._store = self._host_store(addr, port, secret)
             port = self._store.port
         where = f"{addr}:{port}"
+        self._identity = f"rrefrt-run node {cfg.node_rank} (host {self.host}, pid {os.getpid()})"
+        self._secret = secret
         try:
-            self._client = StoreClient(addr, port, connect_timeout=cfg.rdzv_timeout)
+            self._client = self._store_client(addr, port, cfg.rdzv_timeout)
+        except StoreAuthError as e:
+            raise LaunchError(secret_refused(cfg.node_rank, e)) from None
         except StoreError as e:
             raise LaunchError(f"node 0 never arrived: {e}") from None
         me = local_node_info(cfg.node_rank, cfg.nnodes, cfg.nproc_per_node, secret)
@@ -144,25 +150,34 @@ class Supervisor:
             self._dyn = DynamicJob(self._client, cfg.nproc_per_node, cfg.join is not None, addr, port)
             self._world = World((me,), 0)
         else:
+            store = self._store
+            refused = (lambda: [who for _, who in store.auth_failures]) if store is not None else None
             try:
-                self._world = rendezvous(self._client, me, where, cfg.rdzv_timeout)
+                self._world = rendezvous(self._client, me, where, cfg.rdzv_timeout, refused)
             except StoreError as e:
                 raise LaunchError(f"lost the rendezvous store at {where}: {e}") from None
         self._print_header(plan, where)
         self._spawn_all(plan, addr, port, secret)
         if cfg.multi_node:
             try:
-                self._monitor = NodeMonitor(addr, port, self._world, cfg.node_timeout,
-                                            self._wake)
+                self._monitor = NodeMonitor(self._store_client(addr, port, 10.0), self._world,
+                                            cfg.node_timeout, self._wake)
             except StoreError as e:
                 raise LaunchError(f"lost the store at {where} after the rendezvous: {e}") from None
             self._monitor.start()
         self.phase = "running"
         return self._loop()
 
-    def _host_store(self, addr: str, port: int) -> StoreServer:
+    def _store_client(self, addr: str, port: int, connect_timeout: float) -> StoreClient:
+        """A client of the job's store: it proves the secret when the store asks for it. It
+        accepts a store that does not ask (node 0 without RREFRT_SECRET), so that the node
+        rendezvous reports a secret set on some nodes only; workers do not (rrefrt.rendezvous)."""
+        return StoreClient(addr, port, connect_timeout=connect_timeout, secret=self._secret,
+                           require_auth=False, identity=self._identity)
+
+    def _host_store(self, addr: str, port: int, secret: str | None) -> StoreServer:
         try:
-            return StoreServer(addr, port)
+            return StoreServer(addr, port, secret=secret, label="rrefrt-run on node 0")
         except PortInUseError as e:
             text = e.strerror or next((a for a in reversed(e.args) if isinstance(a, str)), str(e))
             raise UsageError(f"--master-port {port}: {text}") from None

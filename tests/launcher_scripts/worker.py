@@ -13,7 +13,8 @@ pgid, sys.argv, __name__ and sys.path[0]; the tests wait for these files.
 --children               start descendants first (a child ignoring SIGTERM that starts a
                          grandchild, and a forked multiprocessing child, like a DataLoader),
                          recording their pids in the json
---connect-store          connect a TCP socket to MASTER_ADDR:MASTER_PORT (the hosted store)
+--connect-store          connect a TCP socket to MASTER_ADDR:MASTER_PORT (the hosted store), then
+                         a store client without the secret (refused) and one with it
 --wait-peers             the --exit-rank waits until every rank has written its json
                          (so the others' signal handlers exist before anyone fails)
 """
@@ -92,6 +93,18 @@ def main() -> None:
         with socket.create_connection((os.environ["MASTER_ADDR"],
                                        int(os.environ["MASTER_PORT"])), timeout=5):
             info["store_reachable"] = True
+        # the launcher's store authenticates with the job secret (issue 11 item 13)
+        from rrefrt.store import StoreAuthError, StoreClient
+
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        try:
+            StoreClient(addr, port, 5, identity=f"rank {rank} without the secret").check(["launcher/node/0"])
+            info["store_without_secret"] = "accepted"
+        except StoreAuthError as e:
+            info["store_without_secret"] = f"refused: {e}"
+        with_secret = StoreClient(addr, port, 5, os.environ["RREFRT_SECRET"])
+        info["store_with_secret"] = with_secret.check(["launcher/node/0"])
+        with_secret.close()
     if args.children:
         gfile = os.path.join(args.outdir, f"grandchild{rank}")
         child = subprocess.Popen([sys.executable, "-c", CHILD, gfile])

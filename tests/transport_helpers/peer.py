@@ -9,7 +9,7 @@ Protocol with the test process, one JSON object per line:
   whenever the agent declares a peer dead; {"event": "stats", ...} in answer to a command;
   {"event": "error", "error"} if joining the mesh failed.
 - stdin: first line is the peer table (a list of PeerSpec fields), later lines are commands
-  ({"cmd": "stats"}; {"cmd": "request", "dest", "kind", "meta", "size", "timeout"} answered by
+  ({"cmd": "stats"}; {"cmd": "declare", "peer", "cause"}; {"cmd": "request", "dest", "kind", "meta", "size", "timeout"} answered by
   {"event": "done", "meta", "error", "message", "elapsed"}). End of stdin (the test process went away) closes the agent and exits.
 
 Only ``transport`` is imported: the transport is tested on its own.
@@ -108,6 +108,8 @@ def main() -> None:
             cmd = json.loads(line)
             if cmd.get("cmd") == "stats":
                 emit({"event": "stats", "received": behaviour.received, "stats": dict(agent.stats)})
+            elif cmd.get("cmd") == "declare":  # this worker declares a peer dead on its own evidence
+                agent._hb.declare(cmd["peer"], cmd.get("cause", "a test said so"))  # type: ignore[attr-defined]
             elif cmd.get("cmd") == "request":  # one request; its outcome is reported
                 t0 = time.monotonic()
 
