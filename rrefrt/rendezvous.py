@@ -445,7 +445,7 @@ class Rendezvous:
             "(or has another one). Every worker must use the same RREFRT_SECRET or RpcBackendOptions(secret=...), "
             "or none may; see docs/security.md"
         )
-        self._abort(msg)
+        self._abort(msg, conflict=False)  # the refused process takes no ticket: no lingering for it
         raise AuthenticationError(msg, [who])
 
     def _held_by_running_group(self, me: _Ticket, near: list[_Ticket]) -> str | None:

@@ -114,12 +114,13 @@ def test_environment_and_init_method_errors_are_rpc_errors(monkeypatch):
         ("env://", 0, 2, "needs MASTER_ADDR and MASTER_PORT"),
         ("tcp://nohost", 0, 2, "must be tcp://host:port"),
         ("tcp://127.0.0.1:1234", -1, 2, "no rank given"),
-        ("tcp://127.0.0.1:1234", 0, None, "no world_size given"),
         ("tcp://127.0.0.1:1234", 0, 0, "rank must be in"),
     ]:
         with pytest.raises(EnvError, match=message) as info:
             resolve(init_method, rank, world_size)
         assert isinstance(info.value, rrefrt.RpcError) and isinstance(info.value, ValueError)
+    # no world size anywhere: a dynamic group (docs/dynamic-groups.md), not an error
+    assert resolve("tcp://127.0.0.1:1234", 0, None).world_size == 0
 
 
 @pytest.mark.timeout(10)

@@ -23,6 +23,7 @@ from rrefrt.messages import (
     RemoteRet,
     Response,
     UserDelete,
+    UserDeletes,
     decode,
 )
 
@@ -39,6 +40,7 @@ EXAMPLES = [
     ForkRequest(0, RID, FID, 2),
     ChildAccept(0, FID),
     UserDelete(0, RID, FID),
+    UserDeletes(0, ((RID, FID), (RID, FID))),
     RemoteRet(0, RID, OK),
     RemoteRet(0, RID, ERROR),
 ]
@@ -55,7 +57,7 @@ def test_round_trip(msg: Any) -> None:
 
 
 def test_one_class_per_kind() -> None:
-    assert len(MESSAGES) == 7 and len(set(KIND_NAMES.values())) == 7
+    assert len(MESSAGES) == 8 and len(set(KIND_NAMES.values())) == 8
 
 
 GOOD_ID = [0, 1]
