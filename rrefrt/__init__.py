@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "RRefLeakError": "errors",
     "RRefCreationError": "errors",
     "SerializationError": "errors",
+    "ArgumentError": "errors",
     "ShutdownError": "errors",
     "RemoteError": "errors",
     "RemoteSerializationError": "errors",

@@ -19,7 +19,7 @@ import transport
 from . import profiling as _profiling, serialization, state
 from .autograd import _hooks as _autograd
 from .devices import DeviceInfo, DevicePlan
-from .errors import AuthenticationError, RpcError, ShutdownError
+from .errors import ArgumentError, AuthenticationError, RpcError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
 from .membership import MAX_RANKS, Membership, shutdown_dynamic
@@ -79,10 +79,12 @@ def init_rpc(
     (see docs/dynamic-groups.md). A name or rank already taken raises RendezvousError
     ("... is not unique")."""
     if not isinstance(name, str) or not name or len(name) > 128 or any(c.isspace() for c in name):
-        raise ValueError(f"worker name must be a non-empty string without spaces, got {name!r}")
+        raise ArgumentError(f"worker name must be a non-empty string without spaces, got {name!r}")
     options = rpc_backend_options or RpcBackendOptions()
     if not isinstance(options, RpcBackendOptions):
-        raise TypeError(f"rpc_backend_options must be rrefrt.RpcBackendOptions, got {type(options).__name__}")
+        raise ArgumentError(  # torch's phrase
+            f"Argument rpc_backend_options must be an instance of RpcBackendOptions (rrefrt.RpcBackendOptions), "
+            f"got {type(options).__name__}")
     with _init_lock:
         if state.current_or_none() is not None:
             raise RpcError("RPC is already initialized on this process; call rrefrt.shutdown() first")

@@ -19,6 +19,7 @@ __all__ = [
     "RemoteSerializationError",
     "RRefCreationError",
     "AuthenticationError",
+    "ArgumentError",
 ]
 
 
@@ -44,6 +45,11 @@ class RRefLeakError(RpcError):
     def __init__(self, message: str, leaks: list[str] | None = None) -> None:
         super().__init__(message)
         self.leaks = list(leaks or [])
+
+
+class ArgumentError(RpcError, TypeError, ValueError):
+    """A bad argument to the API (a destination, an option, a worker name): also a
+    ``TypeError`` and a ``ValueError``, since torch raises one or the other for these."""
 
 
 class SerializationError(RpcError, TypeError):

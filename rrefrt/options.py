@@ -9,6 +9,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ArgumentError
+
 __all__ = ["RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo", "BackendType"]
 
 
@@ -70,25 +72,27 @@ class RpcBackendOptions:
         if not isinstance(init_method, str) or not (
             init_method.startswith("env://") or init_method.startswith("tcp://")
         ):
-            raise ValueError(f"init_method must be 'env://' or 'tcp://host:port', got {init_method!r}")
+            raise ArgumentError(f"init_method must be 'env://' or 'tcp://host:port', got {init_method!r}")
         for label, value in (
             ("rpc_timeout", rpc_timeout),
             ("init_timeout", init_timeout),
             ("shutdown_timeout", shutdown_timeout),
         ):
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{label} must be a number of seconds >= 0, got {value!r}")
+            if not isinstance(value, (int, float)):  # torch's phrase (a timedelta, say)
+                raise ArgumentError(f"incompatible constructor arguments: {label} must be a number of seconds, got {value!r}")
+            if value < 0:
+                raise ArgumentError(f"{label} must be a number of seconds >= 0, got {value!r}")
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
-            raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+            raise ArgumentError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
         if not heartbeat_interval > 0 or not heartbeat_timeout > 0:
-            raise ValueError("heartbeat_interval and heartbeat_timeout must be > 0")
+            raise ArgumentError("heartbeat_interval and heartbeat_timeout must be > 0")
         if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
-            raise ValueError("secret must be a non-empty str or bytes (or None to use RREFRT_SECRET)")
+            raise ArgumentError("secret must be a non-empty str or bytes (or None to use RREFRT_SECRET)")
         if unpickle_allowlist is not None and (
             isinstance(unpickle_allowlist, (str, bytes))
             or not all(isinstance(n, str) and "." in n.strip(".") for n in unpickle_allowlist)
         ):
-            raise ValueError(f"unpickle_allowlist must be a list of 'module.qualname' strings, got {unpickle_allowlist!r}")
+            raise ArgumentError(f"unpickle_allowlist must be a list of 'module.qualname' strings, got {unpickle_allowlist!r}")
         self.init_method = init_method
         self.rpc_timeout = float(rpc_timeout)
         self.num_worker_threads = num_worker_threads
@@ -109,10 +113,10 @@ class RpcBackendOptions:
         """Tensors on caller device ``k`` arrive on callee ``to``'s device ``device_map[k]``;
         replies come back by the inverse map (docs/devices.md)."""
         if not isinstance(device_map, dict):
-            raise TypeError(f"device_map must be a dict, got {type(device_map).__name__}")
+            raise ArgumentError(f"device_map must be a dict, got {type(device_map).__name__}")
         mapped = {_device_str(k): _device_str(v) for k, v in device_map.items()}
         if len(set(mapped.values())) != len(mapped):
-            raise ValueError(f"device_map to {to!r} maps two devices onto one: {device_map!r}")
+            raise ArgumentError(f"device_map to {to!r} maps two devices onto one: {device_map!r}")
         self.device_maps.setdefault(to, {}).update(mapped)
 
     def set_devices(self, devices: list[Any]) -> None:

@@ -40,7 +40,7 @@ from .callee import Callee
 from .caller import Caller, translate
 from .control import ControlLoop, Incoming, PeerDied
 from .creation import ACCEPT_DELAY_S, CreationTracker
-from .errors import ShutdownError, WorkerUnavailableError
+from .errors import ArgumentError, ShutdownError, WorkerUnavailableError
 from .futures import Future
 from .ids import ForkId, IdGenerator
 from .lifecycle import Lifecycle
@@ -185,7 +185,7 @@ class Runtime:
             if w is None:
                 raise WorkerUnavailableError(f"could not find destination: unknown worker id {to}; ids run 0..{len(self.workers_by_id) - 1}")
             return w
-        raise TypeError(f"'to' must be a worker name, id or WorkerInfo, not {type(to).__name__}")
+        raise ArgumentError(f"'to' must be a worker name, id or WorkerInfo, not {type(to).__name__}")
 
     def worker_name(self, worker_id: int) -> str:
         w = self.workers_by_id.get(worker_id)

@@ -13,7 +13,6 @@ from __future__ import annotations
 CAUSES: dict[str, str] = {
     "futures-interop": "expected to differ: torch.futures.wait_all exits early only on a C++-level error, which Python cannot set on a torch._C.Future",
     "error-texts": "open (item 7): torch's phrases inside rrefrt's messages",
-    "error-types": "open (item 11): torch's exception types (a subclass of both is fine)",
     "dist-autograd": "until distributed autograd lands (being built separately)",
     "torchscript": "expected to differ: rrefrt does not run TorchScript RPC",
     "private": "expected to differ: the test calls private torch.distributed.rpc internals",
@@ -39,19 +38,9 @@ _group(
     'TensorPipeAgentRpcTest.test_op_with_invalid_args',
 )
 _group(
-    'error-types',
-    'a float destination must raise ValueError (rrefrt: TypeError)',
-    'RpcTest.test_send_to_rank',
-)
-_group(
-    'error-types',
-    "init_rpc argument checks: backend='TENSORPIPE' (a string) and a non-RpcBackendOptions must raise TypeError with torch's text",
+    'one-backend',
+    "init_rpc(backend='TENSORPIPE') (a string) must raise TypeError; rrefrt accepts and ignores backend (API.md). The second half (a dict as rpc_backend_options: TypeError with torch's text) passes",
     'RpcTest.test_wrong_types',
-)
-_group(
-    'error-types',
-    'rpc_timeout given as a timedelta must raise TypeError (rrefrt: ValueError)',
-    'TensorPipeAgentRpcTest.test_tensorpipe_options_throw_on_timedelta_timeout',
 )
 _group(
     'dist-autograd',
