@@ -186,15 +186,6 @@ def bind_host(master_addr: str) -> str:
         s.close()
 
 
-def host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 def _torch_pg_initialized() -> bool:
     dist = sys.modules.get("torch.distributed")
     try:
@@ -577,4 +568,4 @@ class Rendezvous:
 
 
 __all__ = ["Record", "GroupSpec", "DYNAMIC", "Rendezvous", "RendezvousError", "InvalidRankError", "TorchStore",
-           "resolve", "bind_host", "host_id"]
+           "resolve", "bind_host"]
