@@ -15,7 +15,8 @@ ends share), the registry of tensor codecs, and the two codecs rrefrt has today:
   sender's memory out of reuse until then, even if the sender dropped the tensor). Any
   failure to export falls back to ``frames`` with one log line.
 
-Imports from rrefrt: errors. torch is imported only by the functions that handle a tensor.
+Imports from rrefrt: errors, torchimport. torch is imported only by the functions that handle
+a tensor, through rrefrt/torchimport.py.
 
 NOTE [Tensor codecs]
   A codec is ``encode(tensor, route, device) -> (rebuild, args)``: the pickle reduction of
@@ -47,10 +48,10 @@ import dataclasses
 import logging
 import os
 import pickle
-import sys
 import warnings
 from typing import Any, Callable, Mapping, Protocol
 
+from . import torchimport
 from .errors import RpcError, SerializationError
 
 __all__ = ["Route", "DeviceMapError", "TensorCodec", "register_codec", "codec_for", "reduce_tensor",
@@ -145,7 +146,7 @@ def reduce_tensor(tensor: Any, route: Route) -> tuple[Callable[..., Any], tuple]
 
 
 def _kind(tensor: Any) -> str:
-    return "param" if isinstance(tensor, sys.modules["torch"].nn.Parameter) else "tensor"
+    return "param" if isinstance(tensor, torchimport.torch_module().nn.Parameter) else "tensor"
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -160,7 +161,7 @@ def _span(t: Any) -> int:
 
 
 def _finish(t: Any, requires_grad: bool, kind: str) -> Any:
-    import torch
+    torch = torchimport.torch_module()
 
     if kind == "param":
         return torch.nn.Parameter(t, requires_grad=requires_grad)
@@ -205,7 +206,7 @@ class FramesCodec:
 
 def _rebuild_frames(buf: Any, dtype: str, shape: tuple, strides: tuple, requires_grad: bool, kind: str,
                     device: str) -> Any:
-    import torch
+    torch = torchimport.torch_module()
 
     tdtype = getattr(torch, dtype)
     if not isinstance(tdtype, torch.dtype):
@@ -281,7 +282,7 @@ class CudaIpcCodec:
 def _rebuild_cuda_ipc(dtype: str, shape: tuple, strides: tuple, storage_offset: int, open_on: str, handle: bytes,
                       size_b: int, offset_b: int, rc_handle: bytes, rc_offset: int, ev_handle: Any, ev_sync: bool,
                       requires_grad: bool, kind: str, device: str) -> Any:
-    import torch
+    torch = torchimport.torch_module()
 
     tdtype = getattr(torch, dtype)
     if not isinstance(tdtype, torch.dtype):

@@ -6,7 +6,8 @@ routes that follow (``DevicePlan``), the launcher's device default (``default_de
 and ``call_scope``: the current CUDA device and a pooled stream around a call on the owner.
 Pure functions over plain data, except ``probe_cuda`` and ``call_scope`` (torch).
 
-Imports from rrefrt: buffers, errors. torch only when CUDA is named or already loaded.
+Imports from rrefrt: buffers, errors, torchimport. torch only when CUDA is named or already
+loaded, through rrefrt/torchimport.py.
 Must not import the runtime, the transport or the launcher.
 
 NOTE [Device maps]
@@ -38,11 +39,10 @@ import dataclasses
 import itertools
 import os
 import re
-import sys
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
-from . import buffers
+from . import buffers, torchimport
 from .buffers import DeviceMapError, Route
 
 __all__ = ["DeviceMapError", "DeviceInfo", "DevicePlan", "CudaProbe", "probe_cuda", "default_devices",
@@ -82,7 +82,7 @@ class CudaProbe:
 
 
 def probe_cuda() -> CudaProbe:
-    import torch
+    torch = torchimport.torch_module()
 
     if not torch.cuda.is_available():
         return CudaProbe(0)
@@ -143,7 +143,7 @@ class DeviceInfo:
         named = set(devs) | {d for m in maps.values() for d in [*m.keys(), *m.values()]}
         needs_cuda = any(d != "cpu" for d in named)
         if probe is None:
-            probe = probe_cuda if (needs_cuda or "torch" in sys.modules) else (lambda: CudaProbe(None))
+            probe = probe_cuda if (needs_cuda or torchimport.started()) else (lambda: CudaProbe(None))
         seen = probe()
         return cls(name, devs, maps, seen.count, seen.uuids, env.get("CUDA_VISIBLE_DEVICES"),
                    buffers.cuda_ipc_enabled(env))
@@ -341,7 +341,7 @@ class _StreamPool:
     def get(self, index: int) -> Any:
         streams = self._streams.get(index)
         if streams is None:
-            import torch
+            torch = torchimport.torch_module()
 
             with self._lock:
                 streams = self._streams.get(index)
@@ -357,7 +357,7 @@ _pool = _StreamPool()
 def cuda_tensors(value: Any, depth: int = 3, limit: int = 1024) -> list[Any]:
     """The CUDA tensors in ``value``, looking into lists, tuples and dict values
     ``depth`` levels deep, at most ``limit`` of them (cheap; never calls user code)."""
-    torch = sys.modules.get("torch")
+    torch = torchimport.loaded()
     out: list[Any] = []
     if torch is None:
         return out
@@ -388,7 +388,7 @@ class _CudaScope:
         self._prev_device = -1
 
     def __enter__(self) -> "_CudaScope":
-        import torch
+        torch = torchimport.torch_module()
 
         first = cuda_tensors(self._incoming, limit=1)
         target = first[0].device.index if first else self._indices[0]
@@ -410,7 +410,7 @@ class _CudaScope:
     def use(self, incoming: Any) -> None:
         """Make the device of ``incoming``'s first CUDA tensor current (for a scope entered
         before the arguments were decoded: decoding runs inside the scope)."""
-        import torch
+        torch = torchimport.torch_module()
 
         first = cuda_tensors(incoming, limit=1)
         if first and first[0].device.index != torch.cuda.current_device():
@@ -419,14 +419,14 @@ class _CudaScope:
     def finish(self, value: Any) -> Any:
         """Mark ``value``'s CUDA tensors as used by each device's default stream, which
         waits for the call's stream on exit (so their memory is not reused too early)."""
-        import torch
+        torch = torchimport.torch_module()
 
         for t in cuda_tensors(value):
             t.record_stream(torch.cuda.default_stream(t.device))
         return value
 
     def __exit__(self, *exc: Any) -> None:
-        import torch
+        torch = torchimport.torch_module()
 
         try:
             for i, s in self._streams.items():
@@ -435,7 +435,7 @@ class _CudaScope:
             self._restore()
 
     def _restore(self) -> None:
-        import torch
+        torch = torchimport.torch_module()
 
         for prev in reversed(self._saved):
             torch.cuda.set_stream(prev)

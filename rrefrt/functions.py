@@ -1,5 +1,6 @@
 """``@rrefrt.functions.async_execution`` and the callee side of it. Imports from rrefrt:
-errors (leaf). Never imports torch (torch's futures are recognised by ``sys.modules``).
+errors, torchimport (leaves). Never imports torch (torch's futures are recognised once torch is
+imported: rrefrt/torchimport.py's ``loaded()``).
 
 NOTE [async_execution]: a decorated function returns a Future (rrefrt's, the stdlib's or
 torch's); the callee replies when that Future completes, without holding a worker thread
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import sys
 from typing import Any, Callable, TypeVar
 
+from . import torchimport
 from .errors import RpcError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -58,8 +59,8 @@ def is_async_execution(func: Any) -> bool:
 def is_future(obj: Any) -> bool:
     if isinstance(obj, concurrent.futures.Future):
         return True
-    torch_c = sys.modules.get("torch._C")
-    c_future = getattr(torch_c, "Future", None) if torch_c is not None else None
+    torch = torchimport.loaded()  # a torch future exists only once torch is imported
+    c_future = getattr(getattr(torch, "_C", None), "Future", None) if torch is not None else None
     return c_future is not None and isinstance(obj, c_future)
 
 

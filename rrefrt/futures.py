@@ -43,11 +43,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import concurrent.futures._base as _cf
-import sys
 import threading
 import traceback
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
+from . import torchimport
 from .errors import RpcError, SerializationError, fresh
 from .pool import WorkerPool, current_pool
 
@@ -362,11 +362,12 @@ _torch_cls_lock = threading.Lock()
 
 
 def _torch_future_class() -> Any:
-    """``_TorchFuture`` once torch is imported (built on first use), else None."""
+    """``_TorchFuture`` once torch is imported (built on first use), else None - and None
+    while another thread is still importing torch (NOTE [Importing torch from many threads])."""
     cls = _torch_cls
     if cls is not None:
         return cls
-    tf = sys.modules.get("torch.futures")
+    tf = torchimport.loaded_module("torch.futures")
     base = getattr(tf, "Future", None) if tf is not None else None
     if base is None:
         return None

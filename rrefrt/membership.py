@@ -54,6 +54,7 @@ import msgpack
 
 import transport
 
+from . import torchimport
 from .devices import DeviceInfo, DevicePlan
 from .errors import AuthenticationError, RpcError, ShutdownError
 from .options import WorkerInfo
@@ -118,9 +119,7 @@ def _open_store(spec: GroupSpec, secret: str | bytes | None, who: str, timeout: 
 
 
 def _torch_pg() -> bool:
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
+    dist = torchimport.loaded_module("torch.distributed")
     try:
         return bool(dist is not None and dist.is_available() and dist.is_initialized())
     except Exception:

@@ -4,9 +4,9 @@ RPC records them.
 Owns: the call-site hook (``active``/``profiled_call``, called by the public API), the
 callee-side trampoline (``_Profiled``) that runs the function under a profiler and sends
 its events back, and the merge of those events into the caller's profile.
-Imports from rrefrt: futures, functions, state (lower layers). torch is imported inside
-functions only, never at import (``import rrefrt`` stays free of torch); ``active()`` costs a
-``sys.modules`` lookup when torch is absent.
+Imports from rrefrt: futures, functions, state, torchimport (lower layers). torch is imported
+inside functions only, through rrefrt/torchimport.py, never at import (``import rrefrt``
+stays free of torch); ``active()`` costs a ``sys.modules`` lookup when torch is absent.
 
 NOTE [RPC profiling]: torch records an RPC made inside
 ``torch.autograd.profiler_legacy.profile()`` (what ``torch.autograd.profiler.profile``
@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import threading
 import time
 import weakref
 from typing import Any, Callable
 
-from . import state
+from . import state, torchimport
 from .functions import is_async_execution, is_future, when_future_done
 from .futures import Future
 
@@ -88,7 +87,7 @@ def active() -> bool:
     is on for this thread (cheap when torch is not imported)."""
     if _tls.suspended:
         return False
-    torch = sys.modules.get("torch")
+    torch = torchimport.loaded()
     if torch is None:
         return False
     try:
@@ -100,19 +99,25 @@ def active() -> bool:
 
 
 def install() -> bool:
-    """Hook torch's legacy profiler (see NOTE [RPC profiling]) once; False without torch."""
+    """Hook torch's legacy profiler (see NOTE [RPC profiling]) once; False without torch.
+    torch imported by another thread right now: waits for that import to finish, then hooks
+    (NOTE [Importing torch from many threads]: never a torch submodule beside it)."""
     global _installed
     if _installed:
         return True
-    if "torch" not in sys.modules:
+    if not torchimport.started():  # neither imported nor being imported: nothing to hook
         return False
+    try:
+        pl: Any = torchimport.import_module("torch.autograd.profiler_legacy")
+    except ImportError as e:
+        pl = e
     with _install_lock:
         if _installed:
             return True
         _installed = True
         try:
-            from torch.autograd import profiler_legacy as pl
-
+            if isinstance(pl, ImportError):
+                raise pl
             orig_start = pl.profile._start_trace
             orig_parse = pl._parse_legacy_records
         except (ImportError, AttributeError) as e:
@@ -191,7 +196,7 @@ def _register(key: str, node: int) -> _Call:
 
 
 def _func_name(func: Any) -> str:
-    torch = sys.modules.get("torch")
+    torch = torchimport.loaded()
     if torch is not None:
         try:
             builtin = torch.jit._builtins._find_builtin(func)
@@ -210,8 +215,7 @@ def profiled_call(mode: str, api: Callable[..., Any], to: Any, func: Callable[..
         if _profiling.active():
             return _profiling.profiled_call("sync", rpc_sync, to, func, args, kwargs, timeout)
     """
-    import torch
-
+    torch = torchimport.torch_module()
     install()
     rt = state.current()
     me = rt.worker_info(None)
@@ -317,8 +321,7 @@ class _Profiled:
             self._rrefrt_async_execution = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.autograd.profiler_legacy import profile
-
+        profile = torchimport.import_module("torch.autograd.profiler_legacy").profile
         install()
         me = state.current().worker_info(None).id
         t0 = time.perf_counter_ns()
@@ -382,7 +385,7 @@ def _events_of(call: _Call, start: float, thread: int, end: float | None = None)
     """The FunctionEvents of a finished call whose marker began at ``start`` (microseconds
     in the profile's clock) on ``thread`` and whose span ended at ``end`` (None: measured
     here): the call's own event and the callee's."""
-    from torch.autograd.profiler_util import FunctionEvent
+    FunctionEvent = torchimport.import_module("torch.autograd.profiler_util").FunctionEvent
 
     dur = ((call.t1 or call.t0) - call.t0) / 1000 if end is None else max(0.0, end - start)
     events = [FunctionEvent(id=next(_event_ids), name=call.key, trace_name=call.key, thread=thread, start_us=start,

@@ -50,7 +50,6 @@ import ipaddress
 import logging
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
@@ -59,6 +58,7 @@ from urllib.parse import unquote, urlparse
 import msgpack
 
 from .environment import EnvError, resolve_env
+from . import torchimport
 from .errors import AuthenticationError, RpcError, ShutdownError
 from .store import PortInUseError, StoreAuthError, StoreClient, StoreClosed, StoreError, StoreServer
 from .torch_store import TorchStore, agent_store, default_group_store, file_store
@@ -187,7 +187,7 @@ def bind_host(master_addr: str) -> str:
 
 
 def _torch_pg_initialized() -> bool:
-    dist = sys.modules.get("torch.distributed")
+    dist = torchimport.loaded_module("torch.distributed")
     try:
         return bool(dist is not None and dist.is_available() and dist.is_initialized())
     except Exception:

@@ -2,8 +2,10 @@
 fork data in the (msgpack) header.
 
 Owns: turning Python objects into frames and back, and the translation of exceptions for
-the wire. Imports from rrefrt: buffers, errors. torch is imported only when a tensor crosses
-(``sys.modules`` tells whether one can exist at all).
+the wire. Imports from rrefrt: buffers, errors, torchimport. torch is imported only when a
+tensor crosses (``torchimport.loaded()`` tells whether one can exist at all), and a payload's
+torch globals are imported through rrefrt/torchimport.py (NOTE [Importing torch from many
+threads]: the first call a worker decodes often imports torch while other threads run).
 
 Frames of a payload: ``[pickle stream, buffer 0, buffer 1, ...]``. How a tensor travels
 (its bytes as an out-of-band frame, a CUDA IPC handle, ...) and on which device it lands is
@@ -28,12 +30,11 @@ from __future__ import annotations
 
 import io
 import pickle
-import sys
 import threading
 import traceback
 from typing import Any, Callable, Sequence
 
-from . import buffers
+from . import buffers, torchimport
 from .errors import RemoteError, RpcError, SerializationError, rebuildable
 
 _tls = threading.local()
@@ -73,7 +74,7 @@ class _Pickler(pickle.Pickler):
         self._route = route
         self.forks: list[Any] = []
         self.fork_error: BaseException | None = None
-        self._torch = sys.modules.get("torch")
+        self._torch = torchimport.loaded()
 
     def reducer_override(self, obj: Any) -> Any:
         if getattr(obj, "_rrefrt_is_rref", False):
@@ -118,6 +119,8 @@ class _Unpickler(pickle.Unpickler):
         allow = _allowlist
         if allow is not None and not _admitted(module, name, allow):
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not in the unpickling allowlist")
+        if module == "torch" or module.startswith("torch."):  # torch first, and one import at a time
+            torchimport.import_module(module)
         return super().find_class(module, name)
 
 

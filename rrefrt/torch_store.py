@@ -3,7 +3,8 @@ already holds the rendezvous: torchrun's agent store, a process group initialise
 ``torch.distributed.init_process_group`` on the same MASTER_ADDR/PORT, and ``file://``.
 
 Owns: ``TorchStore`` (the adapter) and the three constructors. Imports torch lazily, only
-when one of them is called; imports from rrefrt: errors, store.
+when one of them is called; imports from rrefrt: errors, store, torchimport
+(which imports torch).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+from . import torchimport
 from .errors import RpcError
 from .store import StoreError, StoreTimeout
 
@@ -70,7 +72,7 @@ class TorchStore:
 
 def agent_store(host: str, port: int, timeout: float) -> TorchStore:
     """torchrun's agent TCPStore (TORCHELASTIC_USE_AGENT_STORE=True)."""
-    import torch.distributed as dist
+    dist = torchimport.import_module("torch.distributed")
 
     return TorchStore(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True))
 
@@ -79,11 +81,10 @@ def default_group_store(host: str, port: int, timeout: float) -> TorchStore | No
     """The store of torch's initialised default process group (as torch RPC does when a
     program calls init_process_group on the same MASTER_PORT first), under ``rrefrt/``;
     None if it cannot be had."""
-    import torch.distributed as dist
-
+    dist = torchimport.import_module("torch.distributed")
     store = None
     try:
-        from torch.distributed import distributed_c10d
+        distributed_c10d = torchimport.import_module("torch.distributed.distributed_c10d")
 
         store = distributed_c10d._get_default_store()
     except Exception as e:  # private helper: fall back to a client of the TCPStore on the port
@@ -98,7 +99,7 @@ def default_group_store(host: str, port: int, timeout: float) -> TorchStore | No
 def file_store(path: str, world_size: int, timeout: float) -> TorchStore:
     """init_method="file://<path>", as torch accepts it (torch's FileStore)."""
     try:
-        import torch.distributed as dist
+        dist = torchimport.import_module("torch.distributed")
     except ImportError:
         raise RpcError("init_method='file://...' needs torch (it uses torch.distributed.FileStore)") from None
     store = dist.FileStore(path, world_size)
