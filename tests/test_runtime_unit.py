@@ -328,6 +328,39 @@ def owned_here() -> int:
     return int(rrefrt.get_debug_info()["num_owner_rrefs"])
 
 
+def holds(rref: Any) -> str:
+    """On the owner: the RRef came back; what does using it give?"""
+    try:
+        return repr(rref.to_here(timeout=5))
+    except rrefrt.RpcError as e:
+        return type(e).__name__
+
+
+def test_a_fenced_owner_keeps_nothing_for_a_late_call_of_a_dead_creator(group: Group) -> None:
+    """Chaos seed 21: a fenced worker reports every peer dead (its control thread frees
+    what they held) but goes on reading their messages (NOTE [Late events] in
+    docs/protocol.md). A call from the dead creator carrying the RRef back to its owner
+    re-created an empty placeholder there that nothing freed (1 OwnerRRef left, no fork),
+    and the call's to_here() waited for its timeout. Now nothing is kept and it fails."""
+    w1 = group.rts[1]
+    with group.as_worker(0):
+        rref = rrefrt.remote("w1", Box, args=(5,))
+        assert rref.to_here().v == 5
+    with group.as_worker(1):
+        assert owned_here() == 1
+    w1.on_peer_dead(0, "this worker was expelled (test)")  # what a fenced w1's transport does
+    assert w1.sync_control(time.monotonic() + 5)
+    with group.as_worker(1):
+        poll_for(lambda: owned_here() == 0, 5, "w1 freed what w0 held")
+    with group.as_worker(0):
+        t0 = time.monotonic()
+        assert rrefrt.rpc_sync("w1", holds, args=(rref,)) == "RpcError"
+        assert time.monotonic() - t0 < 4
+    assert w1.sync_control(time.monotonic() + 5)
+    with group.as_worker(1):
+        assert owned_here() == 0 and rrefrt.get_debug_info()["num_forks"] == 0
+
+
 def test_the_rref_protocol_runs_off_the_control_thread(group: Group) -> None:
     """NOTE [Inline protocol] and NOTE [Drops]: with every control thread stopped, a
     remote() settles, to_here() is answered (a plain value inline, on the thread that read
