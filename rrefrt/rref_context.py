@@ -268,7 +268,8 @@ class RRefContext:
         with self._lock:
             if data.owner == self.worker_id:
                 if self._lost(data.rref_id):  # G3 ran for it: an RRef that fails on use, nothing kept
-                    return self._lost_record(data.rref_id), [ChildAccept(data.parent, data.fork_id)]
+                    accept = [] if data.parent == self.worker_id else [ChildAccept(data.parent, data.fork_id)]
+                    return self._lost_record(data.rref_id), accept
                 rec = self._owner_record(data.rref_id, data.type_name)
                 if data.parent == self.worker_id:
                     # our own fork came back (fork_owned to self): the new RRef object holds

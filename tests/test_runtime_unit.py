@@ -328,12 +328,56 @@ def owned_here() -> int:
     return int(rrefrt.get_debug_info()["num_owner_rrefs"])
 
 
+def new_owned() -> Any:
+    return rrefrt.RRef(Box(4))
+
+
 def holds(rref: Any) -> str:
     """On the owner: the RRef came back; what does using it give?"""
     try:
         return repr(rref.to_here(timeout=5))
     except rrefrt.RpcError as e:
         return type(e).__name__
+
+
+def test_a_fenced_worker_undoes_the_forks_of_its_unsent_calls(group: Group, monkeypatch: Any) -> None:
+    """Chaos seed 165: a fenced worker's call to itself (rref_pass_on to itself, with an RRef
+    it owns) failed unsent with Fenced; the fork it had registered for itself - never dead -
+    pinned the value for good (1 OwnerRRef, 1 fork held by itself). NOTE [Fenced forks]."""
+    import transport
+
+    w1 = group.rts[1]
+    real = w1.transport.request
+
+    def fenced(dest: int, kind: int, meta: Any, frames: Any, timeout: float, on_done: Any, label: str = "") -> int:
+        if label == "PYTHON_CALL":  # what the zmq transport's _issue does once fenced
+            on_done(None, (), transport.Fenced("w1", "w0", "test"))
+            return 0
+        return real(dest, kind, meta, frames, timeout, on_done, label)
+
+    with group.as_worker(1):
+        rref = rrefrt.RRef(Box(3))
+        monkeypatch.setattr(w1.transport, "request", fenced)
+        for to in ("w1", "w0"):
+            with pytest.raises(rrefrt.ShutdownError):
+                rrefrt.rpc_sync(to, forward, args=(rref,))
+        assert rrefrt.get_debug_info()["num_forks"] == 0
+        del rref
+        gc.collect()
+        assert w1.sync_control(time.monotonic() + 5)
+        assert owned_here() == 0
+
+    def closed(*args: Any, **kwargs: Any) -> None:
+        raise transport.Fenced("w1", "w0", "test")
+
+    monkeypatch.setattr(w1.transport, "respond", closed)  # an answer that carries an RRef, unsent
+    with group.as_worker(0):
+        with pytest.raises(rrefrt.RpcTimeoutError):
+            rrefrt.rpc_sync("w1", new_owned, timeout=1)
+    assert w1.sync_control(time.monotonic() + 5)
+    with group.as_worker(1):
+        gc.collect()
+        assert rrefrt.get_debug_info()["num_forks"] == 0 and owned_here() == 0
 
 
 def test_a_fenced_owner_keeps_nothing_for_a_late_call_of_a_dead_creator(group: Group) -> None:
