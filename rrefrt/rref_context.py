@@ -428,9 +428,16 @@ class RRefContext:
         if rec is None:
             return []
         if rec.state == PENDING and not rec.created:
-            if rref_id.worker in self.dead:  # a placeholder whose creation can never come
-                del self.owners[rref_id]
-            return []
+            if rref_id.worker not in self.dead and rref_id not in self.deleted_forks:
+                return []  # a placeholder: its creation may still come
+            # its creation can never come (its creator died, or gave it up as lost while
+            # this placeholder had forks): it goes, and its fetches fail
+            del self.owners[rref_id]
+            self.released.add(rref_id)
+            rec.state = FAILED
+            rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
+            waiters, rec.waiters = rec.waiters, []
+            return [ServeFetch(src, mid, rec) for src, mid in waiters]
         if rec.state == PENDING:
             return []  # creation still running; set_value releases it
         del self.owners[rref_id]

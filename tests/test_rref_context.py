@@ -988,3 +988,19 @@ def test_placeholder_dropped_by_an_abandoned_creation_is_not_re_created() -> Non
     assert c.on_remote_request(rid, rid, 0, "t") is None
     assert c.counts() == ZERO_COUNTS and c.leaks() == []
     _validate(c)
+
+
+def test_placeholder_of_an_abandoned_creation_goes_with_its_last_fork() -> None:
+    """The creator (alive) gave its creation up as lost while the placeholder had a fork
+    (a fork request of a third worker): its delete found the fork and kept the placeholder,
+    and when that fork went too nothing ever freed it (no death to clear it)."""
+    c = new_ctx(2)
+    rid = RRefId(0, 5)
+    assert c.on_fetch(rid, 1, 7) is None
+    c.on_fork_request(rid, ForkId(1, 1), 1)
+    assert c.on_user_delete(rid, rid) == []  # the creator's give-up: the fork keeps it
+    actions = c.on_user_delete(rid, ForkId(1, 1))
+    assert [type(x) for x in actions] == [ServeFetch] and actions[0].record.state == FAILED
+    assert c.counts() == ZERO_COUNTS and c.leaks() == []
+    assert c.on_fetch(rid, 1, 8).record.state == FAILED  # type: ignore[union-attr]
+    _validate(c)
