@@ -182,7 +182,8 @@ class Callee:
         if exc is None:
             try:
                 frames, forks = rt.caller.dumps(value, src, reply=True)
-                self.respond(src, msg_id, [OK, forks], frames, msg)
+                if not self.respond(src, msg_id, [OK, forks], frames, msg):
+                    rt.caller.abort_forks(forks)  # never sent (NOTE [Fenced forks] in caller.py)
                 return
             except Exception as e:
                 exc = e
@@ -220,23 +221,30 @@ class Callee:
         except Exception as e:
             self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, rt.info.name), Fetch)
             return
-        self.respond(sf.src, sf.msg_id, [OK, forks], frames, Fetch)
+        if not self.respond(sf.src, sf.msg_id, [OK, forks], frames, Fetch):
+            rt.caller.abort_forks(forks)  # never sent (NOTE [Fenced forks] in caller.py)
 
     def ack(self, dest: int, msg_id: int, about: Any) -> None:
         """Acknowledge a protocol message (an empty OK response)."""
         self.respond(dest, msg_id, Response(OK).meta(), [], about)
 
-    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any], about: Any) -> None:
+    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any], about: Any) -> bool:
         """Answer request ``msg_id`` of ``dest``; ``about`` (a message or its class) names it
-        for the fault hook as ``RESPONSE:<NAME>``."""
+        for the fault hook as ``RESPONSE:<NAME>``. False: the answer was not sent (too large,
+        or the transport is closed or fenced), so the forks it carried must be undone."""
         rt = self.rt
         try:
             rt.transport.respond(dest, msg_id, meta, frames, "RESPONSE:" + about.NAME)
+            return True
         except transport.MessageTooLarge as e:
             err = ser.dumps_error(SerializationError(f"result too large: {e}"), rt.info.name)
-            rt.transport.respond(dest, msg_id, [ERROR, []], err)
+            try:
+                rt.transport.respond(dest, msg_id, [ERROR, []], err)
+            except transport.AgentClosed:
+                log.debug("response to worker %d dropped: transport closed", dest)
         except transport.AgentClosed:
             log.debug("response to worker %d dropped: transport closed", dest)
+        return False
 
 
 def release_frames(exc: BaseException) -> None:

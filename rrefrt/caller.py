@@ -182,6 +182,14 @@ class Caller:
                 if before is not None:
                     before()
                 if err is not None:
+                    if forks and isinstance(err, transport.Fenced):
+                        # NOTE [Fenced forks]: once fenced, a request fails with Fenced, sent
+                        # or not, and every peer is dead to this worker. A fork it registered
+                        # for itself (a call to itself, unsent) would pin its value for good:
+                        # no death ever drops it. Undoing a fork for a peer is what G3 does
+                        # anyway, and undoing one already received here is a no-op. An
+                        # answer that was not sent undoes its forks too (Callee.respond).
+                        self.abort_forks(forks)
                     fut._fail(translate(err, what(), owner_of() if owner_of else None))
                     return
                 self._complete(fut, dest, m, fr)

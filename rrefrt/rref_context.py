@@ -18,7 +18,9 @@ Rule 4: G3 - when a worker dies its forks are dropped on every owner, its pendin
         Nothing registers a fork for a dead worker afterwards (no fork is sent to it, a
         late fork request or creation from it registers nothing), a placeholder waiting
         for a creation by a dead worker fails, and a value released after its last holder
-        died is never re-created empty by a late fork request or fetch (``released``).
+        died, or created by a dead worker whose creation never came, is never re-created
+        empty by a late fork request, fetch or fork data (``_lost``), whatever the order of
+        the death and the late event (NOTE [Late events] in docs/protocol.md).
 Rule 5: every wait has a deadline (``wait_*``); see docs/protocol.md for the full statement.
 """
 
@@ -105,9 +107,10 @@ class RRefContext:
         #: or creation that arrives late must not resurrect them. Kept for the group's life.
         self.deleted_forks: set[ForkId] = set()
         self.dead: set[int] = set()  #: workers declared dead
-        #: rref ids of values owned here that left ``owners`` for good (Release): a late fork
-        #: request or fetch for one (a fork its dead holder sent on) must not re-create it
-        #: as an empty placeholder that nothing would ever free. Kept for the group's life.
+        #: rref ids of values owned here that left ``owners`` for good (Release, or a creation
+        #: its creator gave up): a late fork request, fetch or fork data for one (a fork its
+        #: dead holder sent on) must not re-create it as an empty placeholder that nothing
+        #: would ever free (``_lost``). Kept for the group's life.
         self.released: set[RRefId] = set()
         #: rref id -> record, for every value owned here while anything references it
         #: (``owners`` or a local RRef object): how an RRef sent to itself finds its value.
@@ -264,6 +267,9 @@ class RRefContext:
         refers to, and the protocol messages to send."""
         with self._lock:
             if data.owner == self.worker_id:
+                if self._lost(data.rref_id):  # G3 ran for it: an RRef that fails on use, nothing kept
+                    accept = [] if data.parent == self.worker_id else [ChildAccept(data.parent, data.fork_id)]
+                    return self._lost_record(data.rref_id), accept
                 rec = self._owner_record(data.rref_id, data.type_name)
                 if data.parent == self.worker_id:
                     # our own fork came back (fork_owned to self): the new RRef object holds
@@ -296,13 +302,29 @@ class RRefContext:
             self.owners[rref_id] = rec
         return rec
 
-    def _gone(self, rref_id: RRefId) -> bool:
-        """The value was released here and nothing holds its record any more."""
-        return rref_id in self.released and rref_id not in self.owners and self.known_owned.get(rref_id) is None
+    def _lost(self, rref_id: RRefId) -> bool:
+        """Nothing here holds a record of this value and none can come back: it was released
+        (or its creation given up), or its creator is dead and its creation never arrived
+        (``on_remote_request`` refuses a dead creator's). A late fork request, fetch or fork
+        data for it must not make a placeholder: nothing would ever free it (NOTE [Late
+        events] in docs/protocol.md - peer deaths are applied on the control thread, protocol
+        messages on the reading thread, in either order)."""
+        if rref_id in self.owners or self.known_owned.get(rref_id) is not None:
+            return False
+        return rref_id in self.released or rref_id.worker in self.dead
 
-    @staticmethod
-    def _gone_record(rref_id: RRefId) -> OwnerRecord:
-        err = RpcError(f"RRef {rref_id} no longer exists on its owner: its last holder died while passing it on")
+    def _lost_record(self, rref_id: RRefId) -> OwnerRecord:
+        """A failed stand-in for a lost value (never registered)."""
+        err: RpcError
+        if rref_id in self.released:
+            err = RpcError(
+                f"RRef {rref_id} no longer exists on its owner: it was freed (its last holder died while "
+                "passing it on) or its creation was given up as lost"
+            )
+        else:
+            err = RRefCreationError(
+                f"RRef creation failed: its creator (worker {rref_id.worker}) died before the creation arrived"
+            )
         return OwnerRecord(rref_id, state=FAILED, error=err, created=True)
 
     def new_local_owner(self, value: Any, type_name: str) -> OwnerRecord:
@@ -355,8 +377,8 @@ class RRefContext:
     def on_fetch(self, rref_id: RRefId, src: int, msg_id: int) -> ServeFetch | None:
         """Serve now (returned) or when the value is set (remembered, no thread parked)."""
         with self._lock:
-            if self._gone(rref_id):
-                return ServeFetch(src, msg_id, self._gone_record(rref_id))
+            if self._lost(rref_id):
+                return ServeFetch(src, msg_id, self._lost_record(rref_id))
             rec = self._owner_record(rref_id)
             if rec.state != PENDING:
                 return ServeFetch(src, msg_id, rec)
@@ -367,7 +389,7 @@ class RRefContext:
         with self._lock:
             if fork_id in self.deleted_forks:
                 return  # a duplicate or retry that arrived after the fork was deleted
-            if requester in self.dead or self._gone(rref_id):
+            if requester in self.dead or self._lost(rref_id):
                 return  # G3 already ran for it / the value is gone: nothing to keep alive
             self._owner_record(rref_id, register=True)
             self.forks.setdefault(rref_id, {})[fork_id] = requester
@@ -379,6 +401,7 @@ class RRefContext:
             if rec is not None and not rec.created and not self.forks.get(rref_id) and fork_id == rref_id:
                 # the creator gave the creation up as lost: drop the placeholder, fail its fetches
                 del self.owners[rref_id]
+                self.released.add(rref_id)  # a late fetch or fork must not re-create it
                 rec.state = FAILED
                 rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
                 waiters, rec.waiters = rec.waiters, []
@@ -405,9 +428,16 @@ class RRefContext:
         if rec is None:
             return []
         if rec.state == PENDING and not rec.created:
-            if rref_id.worker in self.dead:  # a placeholder whose creation can never come
-                del self.owners[rref_id]
-            return []
+            if rref_id.worker not in self.dead and rref_id not in self.deleted_forks:
+                return []  # a placeholder: its creation may still come
+            # its creation can never come (its creator died, or gave it up as lost while
+            # this placeholder had forks): it goes, and its fetches fail
+            del self.owners[rref_id]
+            self.released.add(rref_id)
+            rec.state = FAILED
+            rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
+            waiters, rec.waiters = rec.waiters, []
+            return [ServeFetch(src, mid, rec) for src, mid in waiters]
         if rec.state == PENDING:
             return []  # creation still running; set_value releases it
         del self.owners[rref_id]

@@ -933,3 +933,74 @@ def test_placeholder_of_a_dead_creator_fails_its_fetches_and_goes() -> None:
     assert [type(x) for x in b.on_user_delete(rid, ForkId(2, 1))] == [Release]
     assert b.counts() == ZERO_COUNTS and b.leaks() == []
     _validate(b)
+
+
+def test_own_rref_arriving_after_its_creator_died_pins_nothing() -> None:
+    """Chaos seed 21 (a fenced worker): C (worker 2) owns a value created by A's remote();
+    A sends it back to C in a call, and C learns of A's death (the control thread) before
+    its reading thread handles that call (NOTE [Inline protocol]). Before: the fork data
+    re-created an empty placeholder in ``owners`` that nothing ever freed (1 OwnerRRef left
+    with no fork). Whatever the order, an owner value whose creator is dead and that no
+    live fork references goes, and the RRef that arrived late fails on use."""
+    a, c = new_ctx(0), new_ctx(2)
+    urec, orec = _make_confirmed_user(a, c)
+    rid = urec.rref_id
+    data = ForkData(rid, ForkId(0, 99), 2, 0, "object")  # A's fork of it, in a call to C
+    assert [type(x) for x in c.on_peer_dead(0)] == [Release]
+    del orec
+    gc.collect()
+    rec, actions = c.on_fork_received(data, 0)
+    assert rec.state == FAILED and actions == [ChildAccept(0, data.fork_id)]
+    assert c.counts() == ZERO_COUNTS and c.leaks() == []
+    _validate(c)
+
+
+def test_placeholder_made_after_its_creator_died_is_not_kept() -> None:
+    """The creation by A (dead) never arrived; a fetch, a fork request from a live worker,
+    or A's own RRef in a late message from A reaches the owner after A's death. Each used
+    to register an empty placeholder (the creator's death, which frees placeholders, had
+    already run); now none is kept and the fetch fails at once."""
+    c = new_ctx(2)
+    c.on_peer_dead(0)
+    rid = RRefId(0, 5)
+    sf = c.on_fetch(rid, 1, 7)
+    assert sf is not None and sf.record.state == FAILED and "worker 0" in str(sf.record.error)
+    c.on_fork_request(RRefId(0, 6), ForkId(1, 1), 1)
+    rec, _ = c.on_fork_received(ForkData(RRefId(0, 7), ForkId(0, 8), 2, 0, "object"), 0)
+    assert rec.state == FAILED
+    rec, _ = c.on_fork_received(ForkData(RRefId(0, 9), ForkId(1, 8), 2, 1, "object"), 1)
+    assert rec.state == FAILED
+    assert c.on_remote_request(rid, rid, 0, "t") is None
+    assert c.counts() == ZERO_COUNTS and c.leaks() == []
+    _validate(c)
+
+
+def test_placeholder_dropped_by_an_abandoned_creation_is_not_re_created() -> None:
+    """The creator gave its creation up as lost (its UserDelete dropped the placeholder);
+    a fetch that arrives later must not re-create a placeholder nothing would free."""
+    c = new_ctx(2)
+    rid = RRefId(0, 5)
+    assert c.on_fetch(rid, 1, 7) is None
+    assert [type(x) for x in c.on_user_delete(rid, rid)] == [ServeFetch]
+    sf = c.on_fetch(rid, 1, 8)
+    assert sf is not None and sf.record.state == FAILED
+    c.on_fork_received(ForkData(rid, ForkId(1, 3), 2, 1, "object"), 1)
+    assert c.on_remote_request(rid, rid, 0, "t") is None
+    assert c.counts() == ZERO_COUNTS and c.leaks() == []
+    _validate(c)
+
+
+def test_placeholder_of_an_abandoned_creation_goes_with_its_last_fork() -> None:
+    """The creator (alive) gave its creation up as lost while the placeholder had a fork
+    (a fork request of a third worker): its delete found the fork and kept the placeholder,
+    and when that fork went too nothing ever freed it (no death to clear it)."""
+    c = new_ctx(2)
+    rid = RRefId(0, 5)
+    assert c.on_fetch(rid, 1, 7) is None
+    c.on_fork_request(rid, ForkId(1, 1), 1)
+    assert c.on_user_delete(rid, rid) == []  # the creator's give-up: the fork keeps it
+    actions = c.on_user_delete(rid, ForkId(1, 1))
+    assert [type(x) for x in actions] == [ServeFetch] and actions[0].record.state == FAILED
+    assert c.counts() == ZERO_COUNTS and c.leaks() == []
+    assert c.on_fetch(rid, 1, 8).record.state == FAILED  # type: ignore[union-attr]
+    _validate(c)

@@ -328,6 +328,83 @@ def owned_here() -> int:
     return int(rrefrt.get_debug_info()["num_owner_rrefs"])
 
 
+def new_owned() -> Any:
+    return rrefrt.RRef(Box(4))
+
+
+def holds(rref: Any) -> str:
+    """On the owner: the RRef came back; what does using it give?"""
+    try:
+        return repr(rref.to_here(timeout=5))
+    except rrefrt.RpcError as e:
+        return type(e).__name__
+
+
+def test_a_fenced_worker_undoes_the_forks_of_its_unsent_calls(group: Group, monkeypatch: Any) -> None:
+    """Chaos seed 165: a fenced worker's call to itself (rref_pass_on to itself, with an RRef
+    it owns) failed unsent with Fenced; the fork it had registered for itself - never dead -
+    pinned the value for good (1 OwnerRRef, 1 fork held by itself). NOTE [Fenced forks]."""
+    import transport
+
+    w1 = group.rts[1]
+    real = w1.transport.request
+
+    def fenced(dest: int, kind: int, meta: Any, frames: Any, timeout: float, on_done: Any, label: str = "") -> int:
+        if label == "PYTHON_CALL":  # what the zmq transport's _issue does once fenced
+            on_done(None, (), transport.Fenced("w1", "w0", "test"))
+            return 0
+        return real(dest, kind, meta, frames, timeout, on_done, label)
+
+    with group.as_worker(1):
+        rref = rrefrt.RRef(Box(3))
+        monkeypatch.setattr(w1.transport, "request", fenced)
+        for to in ("w1", "w0"):
+            with pytest.raises(rrefrt.ShutdownError):
+                rrefrt.rpc_sync(to, forward, args=(rref,))
+        assert rrefrt.get_debug_info()["num_forks"] == 0
+        del rref
+        gc.collect()
+        assert w1.sync_control(time.monotonic() + 5)
+        assert owned_here() == 0
+
+    def closed(*args: Any, **kwargs: Any) -> None:
+        raise transport.Fenced("w1", "w0", "test")
+
+    monkeypatch.setattr(w1.transport, "respond", closed)  # an answer that carries an RRef, unsent
+    with group.as_worker(0):
+        with pytest.raises(rrefrt.RpcTimeoutError):
+            rrefrt.rpc_sync("w1", new_owned, timeout=1)
+    assert w1.sync_control(time.monotonic() + 5)
+    with group.as_worker(1):
+        gc.collect()
+        assert rrefrt.get_debug_info()["num_forks"] == 0 and owned_here() == 0
+
+
+def test_a_fenced_owner_keeps_nothing_for_a_late_call_of_a_dead_creator(group: Group) -> None:
+    """Chaos seed 21: a fenced worker reports every peer dead (its control thread frees
+    what they held) but goes on reading their messages (NOTE [Late events] in
+    docs/protocol.md). A call from the dead creator carrying the RRef back to its owner
+    re-created an empty placeholder there that nothing freed (1 OwnerRRef left, no fork),
+    and the call's to_here() waited for its timeout. Now nothing is kept and it fails."""
+    w1 = group.rts[1]
+    with group.as_worker(0):
+        rref = rrefrt.remote("w1", Box, args=(5,))
+        assert rref.to_here().v == 5
+    with group.as_worker(1):
+        assert owned_here() == 1
+    w1.on_peer_dead(0, "this worker was expelled (test)")  # what a fenced w1's transport does
+    assert w1.sync_control(time.monotonic() + 5)
+    with group.as_worker(1):
+        poll_for(lambda: owned_here() == 0, 5, "w1 freed what w0 held")
+    with group.as_worker(0):
+        t0 = time.monotonic()
+        assert rrefrt.rpc_sync("w1", holds, args=(rref,)) == "RpcError"
+        assert time.monotonic() - t0 < 4
+    assert w1.sync_control(time.monotonic() + 5)
+    with group.as_worker(1):
+        assert owned_here() == 0 and rrefrt.get_debug_info()["num_forks"] == 0
+
+
 def test_the_rref_protocol_runs_off_the_control_thread(group: Group) -> None:
     """NOTE [Inline protocol] and NOTE [Drops]: with every control thread stopped, a
     remote() settles, to_here() is answered (a plain value inline, on the thread that read
