@@ -26,13 +26,6 @@ SMALL = {
     "rl_agent_observers.py": ["--world-size", "3", "--episodes", "4", "--steps", "10"],
 }
 
-FUTURES_INTEROP = pytest.mark.xfail(
-    strict=False,
-    reason="needs rrefrt futures accepted by torch.futures.wait_all/collect_all "
-    "(issue 12 item 1, H4's futures interop); passes once that lands",
-)
-
-
 def _run(script: str, backend: str, *, launcher: bool = False) -> subprocess.CompletedProcess:
     args = SMALL[script]
     if launcher:
@@ -68,7 +61,7 @@ def _check(proc: subprocess.CompletedProcess, script: str, backend: str) -> None
     "script",
     [
         "parameter_server.py",
-        pytest.param("batch_parameter_server.py", marks=FUTURES_INTEROP),
+        "batch_parameter_server.py",  # torch.futures.wait_all over rrefrt futures
         "rl_agent_observers.py",
     ],
 )
