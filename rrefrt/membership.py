@@ -54,11 +54,10 @@ import msgpack
 
 import transport
 
-from . import torchimport
 from .devices import DeviceInfo, DevicePlan
 from .errors import AuthenticationError, RpcError, ShutdownError
 from .options import WorkerInfo
-from .rendezvous import GroupSpec, Record, RendezvousError
+from .rendezvous import GroupSpec, Record, RendezvousError, torch_pg_initialized
 from .store import PortInUseError, StoreAuthError, StoreClient, StoreError, StoreServer
 from .torch_store import default_group_store, file_store
 
@@ -101,7 +100,7 @@ def _open_store(spec: GroupSpec, secret: str | bytes | None, who: str, timeout: 
     """NOTE [Who hosts the store]."""
     if spec.file_path is not None:
         return file_store(spec.file_path, -1, timeout), None
-    store = default_group_store(spec.master_addr, spec.master_port, timeout) if _torch_pg() else None
+    store = default_group_store(spec.master_addr, spec.master_port, timeout) if torch_pg_initialized() else None
     if store is not None:
         return store, None
     if os.environ.get("RREFRT_STORE_HOSTED") != "1":
@@ -116,14 +115,6 @@ def _open_store(spec: GroupSpec, secret: str | bytes | None, who: str, timeout: 
                 server.close()
                 raise
     return StoreClient(spec.master_addr, spec.master_port, timeout, secret, identity=who), None
-
-
-def _torch_pg() -> bool:
-    dist = torchimport.loaded_module("torch.distributed")
-    try:
-        return bool(dist is not None and dist.is_available() and dist.is_initialized())
-    except Exception:
-        return False
 
 
 class Membership:

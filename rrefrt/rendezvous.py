@@ -186,7 +186,8 @@ def bind_host(master_addr: str) -> str:
         s.close()
 
 
-def _torch_pg_initialized() -> bool:
+def torch_pg_initialized() -> bool:
+    """torch's default process group is up in this process (its store can be shared)."""
     dist = torchimport.loaded_module("torch.distributed")
     try:
         return bool(dist is not None and dist.is_available() and dist.is_initialized())
@@ -258,7 +259,7 @@ class Rendezvous:
         spec, env = self.spec, os.environ
         if spec.file_path is not None:
             return file_store(spec.file_path, spec.world_size, timeout)
-        if _torch_pg_initialized():  # torch's process group holds MASTER_PORT: share its store
+        if torch_pg_initialized():  # torch's process group holds MASTER_PORT: share its store
             store = default_group_store(spec.master_addr, spec.master_port, timeout)
             if store is not None:
                 return store
