@@ -14,7 +14,10 @@ Rule 1: a frame is lent when it is a C-contiguous buffer of at least ``LEND_MIN`
     is not ``bytes`` (immutable: sent as it is, as before) nor a ``zmq.Frame`` (a received
     frame: immutable, shared by libzmq's reference count), and the sending thread is not the
     data loop's own (it must not wait for itself). Smaller mutable frames are copied, as
-    before: below ``LEND_MIN`` the copy costs less than the hand-offs of the wait.
+    before: below ``LEND_MIN`` the copy costs less than the hand-offs of the wait. So a
+    sender of a large frame waits about as long as the bytes take to leave (not longer
+    than a copy of them took before, on this machine); threads that must never wait (the
+    same-host plane's receiver answering inline) only send small messages.
 Rule 2: the loop sends a lent frame as a tracked ``zmq.Frame`` (no copy; libzmq writes the
     socket straight from the caller's memory), then drops its own references so that the
     tracker completes as soon as libzmq is done with the bytes.

@@ -321,8 +321,10 @@ class ZmqTransport:
         return out
 
     def _await_lent(self, msg: list[Any], dest: int, deadline: float | None) -> None:
+        if not isinstance(msg, lend.Lent):
+            return
         gone = lambda: self._closing or self._fenced is not None or self.table.state(dest) is PeerState.DEAD  # noqa: E731
-        if isinstance(msg, lend.Lent) and not lend.await_release(msg, gone, deadline):
+        if not lend.await_release(msg, gone, deadline):
             self.stats["lent_unreleased"] += 1  # Rule 3: a peer that stopped reading mid-message
 
     @staticmethod
