@@ -27,13 +27,15 @@ Rule 3: ``request`` / ``send`` return only once every lent frame was released: l
     snapshot holds as before, and the same way as on the same-host plane (whose sending
     thread writes before it returns). The wait is bounded: it ends when the peer is declared
     dead, the transport closes, the request's deadline passes, or after ``WAIT_MAX_S``;
-    a message still in a backlog then is copied and swapped in (the snapshot still holds).
+    a message still in a backlog then is never sent (peer dead, closing) or, at the deadline,
+    copied and swapped in (the snapshot still holds).
     One that libzmq is already writing (a peer that stopped reading mid-message) is left to
     libzmq, whose reference keeps the memory alive; only then may a later mutation reach
     the wire, to a peer that is dead or whose request has failed (``lent_unreleased``).
 Rule 4: the state moves under the message's own lock: WAITING -> SENDING (the loop) or
-    WAITING -> COPIED (the caller, Rule 3), and SENDING -> WAITING when libzmq refused it
-    (no route yet: it goes to the backlog). Neither sends nor waits under the lock.
+    WAITING -> COPIED / DROPPED (the caller, Rule 3), and SENDING -> WAITING when libzmq
+    refused it (no route yet: it goes to the backlog). Neither sends nor waits under the
+    lock.
 """
 
 from __future__ import annotations
@@ -98,8 +100,11 @@ def prepare(frames: Sequence[Any], in_loop: bool, nbytes: int = 0) -> tuple[list
 
 def begin(msg: Lent) -> list[Any] | None:
     """Loop thread, before a send (Rule 2, 4): the parts to send, lent frames as tracked
-    ``zmq.Frame``s; None when the message was copied meanwhile (send it as usual)."""
+    ``zmq.Frame``s; None when the message was copied meanwhile (send it as usual); [] when
+    its sender gave up on it (peer dead, transport closing): send nothing."""
     with msg.lock:
+        if msg.state == DROPPED:
+            return []
         if msg.state != WAITING:
             return None
         msg.state = SENDING
@@ -138,16 +143,22 @@ def await_release(msg: Lent, gone: Callable[[], bool], deadline: float | None) -
         end = min(end, deadline)
     over = lambda: gone() or time.monotonic() >= end  # noqa: E731
     while not msg.released.wait(POLL_S):
-        if not over():
+        if gone():  # still queued: never sent now (nobody to send it to, or closing)
+            with msg.lock:
+                if msg.state == WAITING:
+                    msg.state = DROPPED
+        elif time.monotonic() < end:
             continue
-        copies = [bytes(f) if lent else f for f, lent in zip(list(msg), msg.lent)]
+        copies = [bytes(f) if lent else f for f, lent in zip(list(msg), msg.lent)] if msg.state == WAITING else None
         with msg.lock:
-            if msg.state == WAITING:  # still queued: it goes as a copy (the snapshot holds)
+            if msg.state == WAITING and copies is not None:  # still queued: it goes as a copy
                 msg[:] = copies
                 msg.state = COPIED
             state = msg.state
         if state in (COPIED, DROPPED):
             return True
+        if state == WAITING:  # bounced back into the backlog meanwhile: look again
+            continue
         if not msg.released.wait(1.0):  # SENDING: the loop is inside one non-blocking send
             return False
         break

@@ -423,6 +423,8 @@ class ZmqTransport:
 
     def _try_send(self, peer: _Peer, frames: list) -> bool:
         parts = lend.begin(frames) if isinstance(frames, lend.Lent) else None  # NOTE [Lent frames]
+        if parts == []:  # its sender gave up on it (lend Rule 3)
+            return True
         small = parts is None and all((f.nbytes if isinstance(f, memoryview) else len(f)) < ZERO_COPY_MIN for f in frames)
         size = sum(_nbytes(f) for f in frames)
         try:
