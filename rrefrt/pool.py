@@ -242,6 +242,9 @@ class WorkerPool:
     def _work(self, slot: _Slot) -> None:
         _tls.pool = self
         with self._cond:
+            if slot.pending:  # a watcher made a runner before it started: take the wake-up
+                slot.lock.acquire()
+                slot.pending = False
             role = slot.role  # given by _wake before it released _cond
             while True:
                 if role == _WATCH:
@@ -293,7 +296,7 @@ class WorkerPool:
         with self._cond:
             return {
                 "threads": self._threads, "idle": len(self._idle), "blocked": self._blocked, "queued": len(self._tasks),
-                "active": self._active, "wakes": self._wakes,
+                "active": self._active, "watching": int(self._watcher is not None), "wakes": self._wakes,
                 "peak_threads": self._peak, "max_threads": self.max_threads, "rejected": self._rejected,
             }
 

@@ -160,3 +160,31 @@ def test_a_task_queued_behind_a_long_one_starts_within_the_bound():
     finally:
         gate.set()
         p.stop()
+
+
+def test_every_thread_is_accounted_for_after_nested_waits_between_two_pools():
+    """Threads idle, watching, running or blocked add up to the threads alive (a thread
+    woken twice before it ran once was counted idle twice: a lost wake-up, a hung call)."""
+    a, b = WorkerPool("a", 2, max_threads=200), WorkerPool("b", 2, max_threads=200)
+
+    def nested(depth: int, here: WorkerPool, there: WorkerPool) -> None:
+        if depth:
+            f: Future = Future()
+            there.submit(lambda: (nested(depth - 1, there, here), f.set_result(1)))
+            f.result(30)
+
+    try:
+        for _ in range(3):
+            outs = []
+            for i in range(60):
+                out: Future = Future()
+                a.submit(lambda out=out, i=i: (nested(i % 5, a, b), out.set_result(i)))
+                outs.append(out)
+            assert [o.result(30) for o in outs] == list(range(60))
+            for p in (a, b):
+                poll_for(lambda: p.stats()["active"] == p.stats()["blocked"] == p.stats()["queued"] == 0, 10)
+                s = p.stats()
+                assert s["threads"] == s["idle"] + s["watching"], s
+    finally:
+        a.stop()
+        b.stop()
