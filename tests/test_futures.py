@@ -439,8 +439,8 @@ def test_the_torch_side_of_a_runtime_completed_future_is_completed_only_when_tor
         assert not any(torch._C.Future.done(f) for f in futs)  # nothing on torch's side yet
         assert pool.stats()["wakes"] == 0 and pool.stats()["threads"] == 0  # and no task for it
         assert torch.futures.wait_all(futs[:2]) == [10, 11]
-        # (torch.jit.wait holds the GIL while it blocks: only a done future can be asked)
-        assert torch._C.Future.done(futs[1]) and torch.jit.wait(futs[2]) == 12
+        # (torch.jit.wait, deprecated, holds the GIL while it blocks: only on a done future)
+        assert torch._C.Future.done(futs[1]) and torch._C.wait(futs[2]) == 12  # torch.jit.wait
         late: Future = Future()
         late._callback_pool = pool
         collected = torch.futures.collect_all([late])  # asked before it completes
