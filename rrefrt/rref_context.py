@@ -1,7 +1,8 @@
 """The RRef context: who owns what, who holds which fork, what is still in flight.
 
 Owns: the protocol state of one worker (owners, forks, users, pending children) and its
-invariants. Imports from rrefrt: ids, messages, errors. Performs no I/O and never calls
+invariants (their check is in ``rref_audit``, the records in ``rref_records``). Imports from
+rrefrt: ids, messages, errors, rref_records, rref_audit. Performs no I/O and never calls
 user code: each event method updates the maps under ``_lock`` and returns the actions
 (``messages.ForkRequest`` ...) for its caller to perform after the lock is released.
 
@@ -28,9 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OwnerDiedError, RpcError, RRefCreationError, WorkerUnavailableError, fresh
@@ -44,42 +43,17 @@ from .messages import (
     ServeFetch,
     UserDelete,
 )
+from .rref_audit import ContextAudit, creation_site
+from .rref_records import _NO_VALUE, FAILED, PENDING, READY, OwnerRecord, UserRecord
 
-PENDING, READY, FAILED = "pending", "ready", "failed"
-
-
-@dataclass(eq=False)
-class OwnerRecord:
-    """The value of an RRef on its owner."""
-
-    rref_id: RRefId
-    type_name: str = "object"
-    state: str = PENDING  #: pending -> ready | failed (set once)
-    value: Any = None
-    error: BaseException | None = None
-    created: bool = False  #: the creating call (or RRef(value)) has reached this worker
-    waiters: list[tuple[int, int]] = field(default_factory=list)  #: fetches (src, msg_id) before the value
+__all__ = ["RRefContext", "OwnerRecord", "UserRecord", "PENDING", "READY", "FAILED", "_NO_VALUE", "creation_site"]
 
 
-@dataclass(eq=False)
-class UserRecord:
-    """One fork of an RRef held by this (non-owner) worker."""
+class RRefContext(ContextAudit):
+    """The protocol state of one worker (a monitor: see the module docstring). The records
+    are in ``rrefrt/rref_records.py``; the read-only diagnostics (counts, leaks, the
+    invariant check) in ``rrefrt/rref_audit.py``."""
 
-    rref_id: RRefId
-    fork_id: ForkId
-    owner: int
-    parent: int
-    type_name: str = "object"
-    confirmed: bool = False  #: the owner has registered this fork
-    alive: bool = True  #: the Python RRef object still exists
-    children: int = 0  #: forks passed on from this one and not yet accepted
-    error: BaseException | None = None  #: creation failure / owner death, raised on next use
-    creation_deadline: float | None = None  #: remote(timeout): confirmation expected before
-    closed_by_shutdown: bool = False
-    site: str = ""  #: where the Python object was created (strict leak checks)
-
-
-class RRefContext:
     def __init__(self, worker_id: int, ids: IdGenerator) -> None:
         self.worker_id = worker_id
         self.ids = ids
@@ -491,15 +465,6 @@ class RRefContext:
                     actions += self._maybe_delete(rec)
             return actions
 
-    def live_user_sites(self) -> list[str]:
-        """User forks whose Python object is still referenced (strict leak check)."""
-        with self._lock:
-            return [
-                f"RRef {r.rref_id} (fork {r.fork_id}, owner worker {r.owner}) created at {r.site or '<unknown>'}"
-                for r in list(self.pending_users.values()) + list(self.confirmed_users.values())
-                if r.alive
-            ]
-
     def wait_value(self, rec: OwnerRecord, deadline: float) -> bool:
         """Until an owned value is set (or failed); False at the deadline."""
         with self._lock:
@@ -529,70 +494,3 @@ class RRefContext:
                     return False
                 self._changed.wait(min(left, 0.1))
             return True
-
-    def leaks(self) -> list[str]:
-        with self._lock:
-            return [
-                f"RRef {rid} fork {fid} held by worker {holder}"
-                for rid, forks in self.forks.items()
-                for fid, holder in forks.items()
-                if holder not in self.dead
-            ]
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "num_owner_rrefs": len(self.owners),
-                "num_forks": sum(len(f) for f in self.forks.values()),
-                "num_pending_users": len(self.pending_users),
-                "num_pending_children": len(self.pending_children),
-                "num_confirmed_users": len(self.confirmed_users),
-                "num_deleting_users": len(self.deleting_users),
-            }
-
-    # ------------------------------------------------------------------ invariants
-    def validate(self) -> None:
-        """Check every invariant; raise AssertionError naming the broken one."""
-        with self._lock:
-            for rid, forks in self.forks.items():
-                assert forks, f"empty fork set kept for {rid}"
-                assert rid in self.owners, f"forks of {rid} without an owner record"
-            for rid, rec in self.owners.items():
-                assert rec.rref_id == rid
-                if not self.forks.get(rid):
-                    assert rec.state == PENDING, f"owner record {rid} kept with no fork"
-                assert rec.state == PENDING or not rec.waiters, f"{rid} has waiters but a value"
-            tables = (self.pending_users, self.confirmed_users, self.deleting_users)
-            for i, a in enumerate(tables):
-                for b in tables[i + 1 :]:
-                    assert not (a.keys() & b.keys()), "a user fork is in two user maps"
-            for fid, rec in self.pending_users.items():
-                assert not rec.confirmed and rec.fork_id == fid
-            for fid, rec in self.confirmed_users.items():
-                assert rec.confirmed and rec.fork_id == fid
-                assert rec.alive or rec.children > 0, f"dropped user {fid} kept without children"
-            for fid, rec in self.deleting_users.items():
-                assert rec.confirmed and not rec.alive and rec.children == 0, f"early delete of {fid} (G1)"
-            count: dict[int, int] = {}
-            for fid, (parent, _) in self.pending_children.items():
-                count[id(parent)] = count.get(id(parent), 0) + 1
-                assert (
-                    parent.fork_id in self.pending_users or parent.fork_id in self.confirmed_users
-                ), f"pending child {fid} whose parent fork {parent.fork_id} is gone (G2)"
-            for rec in list(self.pending_users.values()) + list(self.confirmed_users.values()):
-                assert rec.children == count.get(id(rec), 0), f"child count of {rec.fork_id} is off"
-
-
-class _NoValue:
-    pass
-
-
-_NO_VALUE: Any = _NoValue()
-
-
-def creation_site() -> str:
-    """The first frame outside rrefrt: where user code created an RRef."""
-    for frame in reversed(traceback.extract_stack(limit=12)):
-        if "/rrefrt/" not in frame.filename.replace("\\", "/"):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return "<unknown>"
