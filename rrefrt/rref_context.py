@@ -174,12 +174,19 @@ class RRefContext(ContextAudit):
 
     def user_dropped(self, fork_id: ForkId) -> list[Action]:
         """The Python object of a user fork went away (its __del__ enqueued this)."""
+        return self.users_dropped((fork_id,))
+
+    def users_dropped(self, fork_ids: Any) -> list[Action]:
+        """``user_dropped`` for several forks under one lock (NOTE [Drops] in control.py)."""
+        actions: list[Action] = []
         with self._lock:
-            rec = self.pending_users.get(fork_id) or self.confirmed_users.get(fork_id)
-            if rec is None or not rec.alive:
-                return []
-            rec.alive = False
-            return self._maybe_delete(rec)
+            pending, confirmed = self.pending_users, self.confirmed_users
+            for fork_id in fork_ids:
+                rec = pending.get(fork_id) or confirmed.get(fork_id)
+                if rec is not None and rec.alive:
+                    rec.alive = False
+                    actions += self._maybe_delete(rec)
+        return actions
 
     def on_user_delete_ack(self, fork_id: ForkId) -> None:
         with self._lock:
@@ -370,25 +377,31 @@ class RRefContext(ContextAudit):
 
     def on_user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
         with self._lock:
-            self.deleted_forks.add(fork_id)
-            rec = self.owners.get(rref_id)
-            if rec is not None and not rec.created and not self.forks.get(rref_id) and fork_id == rref_id:
-                # the creator gave the creation up as lost: drop the placeholder, fail its fetches
-                del self.owners[rref_id]
-                self.released.add(rref_id)  # a late fetch or fork must not re-create it
-                rec.state = FAILED
-                rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
-                waiters, rec.waiters = rec.waiters, []
-                self._changed.notify_all()
-                return [ServeFetch(src, mid, rec) for src, mid in waiters]
-            return self._drop_fork(rref_id, fork_id)
+            return self._user_delete(rref_id, fork_id)
 
     def on_user_deletes(self, deletes: Any) -> list[Action]:
-        """Several RREF_USER_DELETE at once (``messages.UserDeletes``), in their order."""
+        """Several RREF_USER_DELETE at once (``messages.UserDeletes``), in their order, under
+        one lock: the owner's count drops for all of them at once (the benchmark's drain)."""
         actions: list[Action] = []
-        for rref_id, fork_id in deletes:
-            actions += self.on_user_delete(rref_id, fork_id)
+        with self._lock:
+            for rref_id, fork_id in deletes:
+                actions += self._user_delete(rref_id, fork_id)
         return actions
+
+    def _user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
+        """Under the lock: one RREF_USER_DELETE."""
+        self.deleted_forks.add(fork_id)
+        rec = self.owners.get(rref_id)
+        if rec is not None and not rec.created and not self.forks.get(rref_id) and fork_id == rref_id:
+            # the creator gave the creation up as lost: drop the placeholder, fail its fetches
+            del self.owners[rref_id]
+            self.released.add(rref_id)  # a late fetch or fork must not re-create it
+            rec.state = FAILED
+            rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
+            waiters, rec.waiters = rec.waiters, []
+            self._changed.notify_all()
+            return [ServeFetch(src, mid, rec) for src, mid in waiters]
+        return self._drop_fork(rref_id, fork_id)
 
     def _drop_fork(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
         forks = self.forks.get(rref_id)
