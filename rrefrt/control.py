@@ -377,8 +377,7 @@ class ControlLoop:
             # the owner died: either way this worker is done with the fork
             ctx.on_user_delete_ack(msg.fork_id)
         elif isinstance(msg, UserDeletes):
-            for _, fid in msg.deletes:
-                ctx.on_user_delete_ack(fid)
+            ctx.on_user_deletes_ack([fid for _, fid in msg.deletes])
 
     def _perform(self, actions: list[Action]) -> None:
         """On the control thread: send protocol messages, hand the rest to their homes.

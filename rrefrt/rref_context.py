@@ -165,8 +165,7 @@ class RRefContext(ContextAudit):
         """G1: delete once the Python object is gone, confirmed, and no child pending."""
         if rec.alive or not rec.confirmed or rec.children or rec.fork_id not in self.confirmed_users:
             return []
-        del self.confirmed_users[rec.fork_id]
-        self._changed.notify_all()
+        del self.confirmed_users[rec.fork_id]  # no waiter's condition changes: no notify
         if rec.owner in self.dead:
             return []
         self.deleting_users[rec.fork_id] = rec
@@ -189,8 +188,13 @@ class RRefContext(ContextAudit):
         return actions
 
     def on_user_delete_ack(self, fork_id: ForkId) -> None:
+        self.on_user_deletes_ack((fork_id,))
+
+    def on_user_deletes_ack(self, fork_ids: Any) -> None:
+        """The owner acknowledged these deletes (one RREF_USER_DELETE(S)); one lock."""
         with self._lock:
-            if self.deleting_users.pop(fork_id, None) is not None:
+            deleting = self.deleting_users
+            if sum(deleting.pop(fid, None) is not None for fid in fork_ids):
                 self._changed.notify_all()
 
     def on_child_accept(self, fork_id: ForkId) -> list[Action]:
