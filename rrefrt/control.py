@@ -280,8 +280,8 @@ class ControlLoop:
         ``users_dropped``)."""
         drops, ctx = self.drops, self.rt.ctx
         if not self._flush_lock.acquire(timeout=FLUSH_WAIT):
-            log.warning("worker %r: a flush of dropped RRefs took over %.0f s; sending without it",
-                        self.rt.info.name, FLUSH_WAIT)
+            log.warning("worker %r: another thread has been sending the deletes of dropped RRefs for over "
+                        "%.0f s; not waiting for it any longer", self.rt.info.name, FLUSH_WAIT)
             return
         try:
             drops.flushing = True
