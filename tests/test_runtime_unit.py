@@ -396,6 +396,9 @@ def test_a_fenced_owner_keeps_nothing_for_a_late_call_of_a_dead_creator(group: G
     assert w1.sync_control(time.monotonic() + 5)
     with group.as_worker(1):
         poll_for(lambda: owned_here() == 0, 5, "w1 freed what w0 held")
+    # the pool thread that created the value may still be unwinding (its frame holds the
+    # record, which a late event then finds, rightly, alive): wait until nothing holds it
+    poll_for(lambda: len(w1.ctx.known_owned) == 0, 5, "w1's pool thread let go of the record")
     with group.as_worker(0):
         t0 = time.monotonic()
         assert rrefrt.rpc_sync("w1", holds, args=(rref,)) == "RpcError"
