@@ -5,9 +5,9 @@ handling of duplicates; on the creator, the sending of the creation, the to_here
 parked on its answer and the plain value it carried (``Creation``, NOTE [Inline creation
 values]), the fetches waiting for an unconfirmed creation (``fetches``), and the loss of a
 creation. Imports from rrefrt: control, errors, futures, ids, messages, rref_context,
-serialization. The RRef context keeps the
-protocol state proper (forks, users, tombstones); this object keeps the request ids and
-timers that only the runtime knows.
+serialization. The RRef context keeps the protocol state proper (forks, users,
+tombstones); this object keeps the request ids, timers and parked calls that only the
+runtime knows.
 
 NOTE [Creation acks]
     A remote() sends one RemoteRequest (PYTHON_REMOTE) and retries it until it is
