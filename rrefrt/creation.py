@@ -90,12 +90,23 @@ UNKNOWN: Any = object()
 
 class Parked:
     """A to_here() waiting for its creation's first answer (NOTE [Inline creation values] 2).
-    ``fut`` is None once it was released (answer, timer or loss)."""
+    Its references are dropped once it is released (answer, timer or loss): the transport's
+    timer keeps this object until its deadline, and must not keep the RRef, the future or
+    the cell (a value of up to 64 KiB) that long."""
 
-    __slots__ = ("rref", "fut", "deadline")
+    __slots__ = ("rref", "fut", "deadline", "cell")
 
-    def __init__(self, rref: Any, fut: Future[Any], deadline: float | None) -> None:
-        self.rref, self.fut, self.deadline = rref, fut, deadline
+    def __init__(self, rref: Any, fut: Future[Any], deadline: float | None, cell: "Creation") -> None:
+        self.rref: Any = rref
+        self.fut: Future[Any] | None = fut
+        self.deadline = deadline
+        self.cell: Creation | None = cell
+
+    def release(self) -> tuple[Any, Future[Any] | None]:
+        """(rref, future) once; (None, None) if released already."""
+        out = self.rref, self.fut
+        self.rref = self.fut = self.cell = None
+        return out
 
 
 class Creation:
@@ -150,9 +161,9 @@ class CreationTracker:
                     self._fetch_now(p)
                 return
             for p in parked:
-                if p.fut is not None:
-                    p.fut._fail(rt.caller.fetch_error(p.rref, err))
-                p.rref = p.fut = None
+                rref, fut = p.release()
+                if fut is not None:
+                    fut._fail(rt.caller.fetch_error(rref, err))
 
         def on_reply(meta: Any, fr: Sequence[Any]) -> None:  # transport thread
             try:
@@ -181,7 +192,7 @@ class CreationTracker:
             parked = self._take(cell) if cell is not None else []
             for p in parked:
                 if inline:
-                    fut, p.rref, p.fut = p.fut, None, None
+                    _, fut = p.release()
                     if fut is not None:
                         fut._finish(inline[0], None)
                 else:
@@ -193,9 +204,9 @@ class CreationTracker:
             err = ser.loads_error(frames, rt.worker_name(owner))
             rt.control.perform(rt.ctx.on_remote_ret(fork_id, err))
             for p in parked:
-                if p.fut is not None:
-                    p.fut._fail(fresh(err))
-                p.rref = p.fut = None
+                _, fut = p.release()
+                if fut is not None:
+                    fut._fail(fresh(err))
 
         rt.callbacks.submit(decode)
 
@@ -204,14 +215,14 @@ class CreationTracker:
         """to_here() of an RRef whose creation is not answered yet: wait for that answer
         instead of sending a fetch (NOTE [Inline creation values] 2). False: it was answered
         already (or no timer could be set): the caller fetches as usual."""
-        p = Parked(rref, fut, time.monotonic() + timeout if timeout > 0 else None)
+        p = Parked(rref, fut, time.monotonic() + timeout if timeout > 0 else None, cell)
         with self._lock:
             if cell.waiters is None:
                 return False
             cell.waiters.append(p)
         if timeout > 0:
             try:
-                self.rt.transport.call_later(timeout, lambda: self._expire(cell, p, timeout))
+                self.rt.transport.call_later(timeout, lambda: self._expire(p, timeout))  # p only
             except Exception:  # a closed transport: unpark, the fetch path raises typed
                 with self._lock:
                     if cell.waiters is not None and p in cell.waiters:
@@ -225,13 +236,16 @@ class CreationTracker:
             parked, cell.waiters = cell.waiters, None
         return parked or []
 
-    def _expire(self, cell: Creation, p: Parked, timeout: float) -> None:
+    def _expire(self, p: Parked, timeout: float) -> None:
         """Transport timer: a parked to_here() ran out of time before the creation's answer."""
+        cell = p.cell
+        if cell is None:
+            return  # released meanwhile
         with self._lock:
             if cell.waiters is None or p not in cell.waiters:
                 return  # released meanwhile
             cell.waiters.remove(p)
-        rref, fut, p.rref, p.fut = p.rref, p.fut, None, None
+        rref, fut = p.release()
         if fut is not None:
             fut._fail(RpcTimeoutError(
                 f"to_here() of {rref!r} timed out after {timeout:.3f}s (worker "
@@ -241,7 +255,7 @@ class CreationTracker:
     def _fetch_now(self, p: Parked) -> None:
         """Transport thread: send the fetch of a parked to_here() (its creation was answered
         without the value). Never blocks; a failure to send fails the call."""
-        rref, fut, p.rref, p.fut = p.rref, p.fut, None, None
+        rref, fut = p.release()
         if fut is None:
             return
         left = 0.0
@@ -288,9 +302,7 @@ class CreationTracker:
         parked = self._take(cell) if cell is not None else []
         with self._lock:
             waiting = self.fetches.pop(fork_id, [])
-        waiting += [p.fut for p in parked if p.fut is not None]
-        for p in parked:
-            p.rref = p.fut = None
+        waiting += [fut for fut in (p.release()[1] for p in parked) if fut is not None]
         for fut in waiting:
             fut._fail(fresh(error))
 

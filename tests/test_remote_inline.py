@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import weakref
 
 import pytest
 
@@ -95,6 +96,11 @@ def test_remote_to_here_one_message_each_way_and_bounded_waits() -> None:
             if clean >= 3:
                 break
         assert clean >= 1
+        r = rrefrt.remote("w1", fns.identity, args=("x",))
+        assert r.to_here(timeout=60) == "x"
+        gone = weakref.ref(r)
+        del r
+        assert gone() is None  # the pending 60 s timer of that to_here() keeps no RRef
         for v in (None, True, 2.5, "text", b"bytes", -(1 << 63)):
             assert rrefrt.remote("w1", fns.identity, args=(v,)).to_here() == v
 
