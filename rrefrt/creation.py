@@ -154,7 +154,8 @@ class CreationTracker:
         def on_ack(err: Any) -> None:  # transport thread; after on_reply
             if isinstance(err, transport.RequestTimeout):
                 rt.control.put(CreationLost(fid, dest))  # on_lost fails the parked calls
-                return
+                if not rt.closed:
+                    return  # (closing: the control thread may be gone, they fail here)
             parked = self._take(cell)
             if err is None:  # accepted only (or an answer on_reply could not use): fetch now
                 for p in parked:
