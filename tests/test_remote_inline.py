@@ -91,16 +91,14 @@ def test_remote_to_here_one_message_each_way_and_bounded_waits() -> None:
                 clean += 1
                 assert r.to_here() == i and r.to_here_async().wait(10) == i
                 assert delta(before, sent()) == one  # known here: no message at all
+                gone = weakref.ref(r)
+                del r
+                assert gone() is None  # a to_here() timer still pending keeps no RRef
             else:  # the slow path: accepted, then fetched
                 assert one.get("RREF_FETCH", 0) == 1, one
             if clean >= 3:
                 break
         assert clean >= 1
-        r = rrefrt.remote("w1", fns.identity, args=("x",))
-        assert r.to_here(timeout=60) == "x"
-        gone = weakref.ref(r)
-        del r
-        assert gone() is None  # the pending 60 s timer of that to_here() keeps no RRef
         for v in (None, True, 2.5, "text", b"bytes", -(1 << 63)):
             assert rrefrt.remote("w1", fns.identity, args=(v,)).to_here() == v
 
@@ -126,20 +124,20 @@ def test_remote_to_here_one_message_each_way_and_bounded_waits() -> None:
         # 4. a to_here() parked on a creation whose answer is late fails at its timeout,
         # typed and naming the RRef; the value is there later
         rrefrt.rpc_sync("w1", faults.install, args=(counting(
-            COUNTED_W1, faults.Rule("RESPONSE:PYTHON_REMOTE", "delay", delay=1.5, first=1)),))
+            COUNTED_W1, faults.Rule("RESPONSE:PYTHON_REMOTE", "delay", delay=3.0, first=1)),))
         r = rrefrt.remote("w1", fns.identity, args=(42,))
         t0 = time.monotonic()
         with pytest.raises(rrefrt.RpcTimeoutError, match=r"to_here\(\) of UserRRef\(owner=w1"):
             r.to_here(timeout=0.2)
         took = time.monotonic() - t0
-        assert 0.15 <= took < 1.4, took
+        assert 0.15 <= took < 2.5, took
         assert r.to_here(timeout=20) == 42
         # a slow function: accepted, then fetched, and that fetch is bounded too
         r = rrefrt.remote("w1", fns.sleep_for, args=(3.0,))
         t0 = time.monotonic()
         with pytest.raises(rrefrt.RpcTimeoutError):
             r.to_here(timeout=0.2)
-        assert time.monotonic() - t0 < 1.4
+        assert time.monotonic() - t0 < 2.5
         assert r.to_here(timeout=20) == 3.0
 
         # 5. a lost creation fails a parked to_here() once the retries are exhausted, not at
