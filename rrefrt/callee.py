@@ -20,7 +20,6 @@ import concurrent.futures
 import inspect
 import logging
 import threading
-import time
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -33,7 +32,6 @@ from .errors import RemoteSerializationError, SerializationError, ShutdownError
 from .functions import is_async_execution, when_future_done
 from .pool import PoolExhaustedError
 from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
-from .rref import wait_received_confirmed
 from .rref_context import FAILED, READY, OwnerRecord
 
 log = logging.getLogger("rrefrt")
@@ -128,8 +126,8 @@ class Callee:
                     e = err
                 done(None, e)
                 return
-            if rrefs:  # torch's rule: RRefs received as arguments are confirmed when the function runs
-                wait_received_confirmed(rrefs, time.monotonic() + rt.options.rpc_timeout)
+            # a received fork may still await the owner's ack: the function runs now, and
+            # confirmed_by_owner() waits for it (NOTE [Early run] in docs/protocol.md)
             del rrefs, frames
             scope.use(args)
             self.invoke(func, args, kwargs, done)

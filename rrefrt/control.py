@@ -195,6 +195,22 @@ def _batch_deletes(actions: list[Action]) -> list[Action]:
     return out
 
 
+class _Drops(collections.deque):
+    """The fork ids of RRef objects that went away, not yet applied (NOTE [Drops]). True
+    also while a flush is sending what it took: a caller about to send checks
+    ``if control.drops`` and then waits in ``flush_drops`` for that flush, so its call
+    leaves after those deletes too, not just after the ones still queued."""
+
+    flushing = False
+
+    def __bool__(self) -> bool:
+        return self.flushing or len(self) > 0
+
+
+#: NOTE [Drops]: how long a thread waits for another thread's flush before sending anyway
+FLUSH_WAIT = 2.0
+
+
 def _ignore_ack(err: Any) -> None:
     return None
 
@@ -204,14 +220,18 @@ class ControlLoop:
         self.rt = rt
         self.queue: queue.SimpleQueue[ControlItem] = queue.SimpleQueue()
         #: fork ids of RRef objects that went away, not yet applied (NOTE [Drops])
-        self.drops: collections.deque[ForkId] = collections.deque()
+        self.drops: _Drops = _Drops()
+        self._flush_lock = threading.Lock()  #: one flusher at a time (NOTE [Drops])
+        #: a FlushDrops is in the queue and has not started (NOTE [Drops]: one wake-up for
+        #: many drops)
+        self._flush_queued = False
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-{rt.info.name}-control", daemon=True)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Incoming: self._on_incoming,
             Perform: lambda item: self._perform(item.actions),
             Dropped: lambda item: self._perform(self.rt.ctx.user_dropped(item.fork_id)),
-            FlushDrops: lambda item: self.flush_drops(),
+            FlushDrops: self._on_flush,
             Acked: self._on_acked,
             Retry: lambda item: self.request(item.msg, item.on_ack, item.frames, item.attempt, item.on_reply),
             CreationSettled: lambda item: self._perform(self.rt.ctx.on_remote_ret(item.fork_id, item.error)),
@@ -229,10 +249,19 @@ class ControlLoop:
 
     def drop(self, fork_id: ForkId) -> None:
         """An RRef object went away (its ``__del__``, maybe inside the garbage collector while
-        this thread holds the context lock): remember it, wake the control thread. Never
-        takes a lock, never sends (a deque append and a SimpleQueue put)."""
+        this thread holds the context lock): remember it, wake the control thread unless a
+        wake-up is already queued. Never takes a lock, never sends (a deque append and at
+        most one SimpleQueue put).
+
+        No drop is left behind: the flag is read after the append, and the control thread
+        clears it before it drains the deque. If the flag reads True, the FlushDrops that
+        the thread which set it queued has not cleared it yet, so that flush drains after
+        this append; if it reads False, this drop queues one itself (two threads may both
+        queue one: a spare flush finds the deque empty)."""
         self.drops.append(fork_id)
-        self.queue.put(_FLUSH)
+        if not self._flush_queued:
+            self._flush_queued = True
+            self.queue.put(_FLUSH)
 
     def flush_drops(self) -> None:
         """Apply the drops remembered so far and send their deletes, on this thread (which
@@ -243,17 +272,35 @@ class ControlLoop:
         RRefs a program dropped leave before its next message: on one connection they then
         reach the owner first, as torch's do (its deletes leave from the destructor). The
         owner's count then drops by the time it answers that next call (the benchmark's
-        "owner drain" row). Each fork id is popped by exactly one thread."""
+        "owner drain" row). One thread flushes at a time (``_flush_lock``), and ``drops``
+        reads true while it sends: a thread about to send a call waits (bounded,
+        ``FLUSH_WAIT``) for a flush in progress elsewhere, so that no delete it popped
+        leaves after the call. Sends never wait for this lock's holder, and nothing here
+        waits while holding another lock (the context's lock is taken and released inside
+        ``users_dropped``)."""
         drops, ctx = self.drops, self.rt.ctx
-        while drops:
-            actions: list[Action] = []
-            while drops and len(actions) < DELETES_PER_MESSAGE:
+        if not self._flush_lock.acquire(timeout=FLUSH_WAIT):
+            log.warning("worker %r: another thread has been sending the deletes of dropped RRefs for over "
+                        "%.0f s; not waiting for it any longer", self.rt.info.name, FLUSH_WAIT)
+            return
+        try:
+            drops.flushing = True
+            while len(drops):
+                fids: list[ForkId] = []
                 try:
-                    fid = drops.popleft()
+                    while len(fids) < DELETES_PER_MESSAGE:
+                        fids.append(drops.popleft())
                 except IndexError:
-                    break
-                actions += ctx.user_dropped(fid)
-            self._perform(_batch_deletes(actions))
+                    pass
+                if fids:
+                    self._perform(_batch_deletes(ctx.users_dropped(fids)))
+        finally:
+            drops.flushing = False
+            self._flush_lock.release()
+
+    def _on_flush(self, item: FlushDrops) -> None:
+        self._flush_queued = False  # before draining: see ``drop``
+        self.flush_drops()
 
     def on_control_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -330,8 +377,7 @@ class ControlLoop:
             # the owner died: either way this worker is done with the fork
             ctx.on_user_delete_ack(msg.fork_id)
         elif isinstance(msg, UserDeletes):
-            for _, fid in msg.deletes:
-                ctx.on_user_delete_ack(fid)
+            ctx.on_user_deletes_ack([fid for _, fid in msg.deletes])
 
     def _perform(self, actions: list[Action]) -> None:
         """On the control thread: send protocol messages, hand the rest to their homes.
@@ -348,7 +394,11 @@ class ControlLoop:
             a = actions[i]
             actions[i] = None  # type: ignore[call-overload]
             try:
-                if isinstance(a, (ForkRequest, UserDelete, UserDeletes)):
+                if type(a) is Release:
+                    # the value's destructor must run on the callback pool: hand over the
+                    # only reference held here, then forget it (NOTE [Release home])
+                    box.append(a.record)
+                elif isinstance(a, (ForkRequest, UserDelete, UserDeletes)):
                     self.request(a, lambda e, m=a: self._on_acked(Acked(m, e)))
                 elif isinstance(a, (ChildAccept, RemoteRet)):
                     self.request(a, _ignore_ack, a.payload if isinstance(a, RemoteRet) else ())
@@ -357,10 +407,6 @@ class ControlLoop:
                         self.rt.callee.serve_fetch(a)
                     else:
                         self.rt.callbacks.submit(self.rt.callee.serve_fetch, a)
-                elif isinstance(a, Release):
-                    # the value's destructor must run on the callback pool: hand over the
-                    # only reference held here, then forget it (NOTE [Release home])
-                    box.append(a.record)
             except transport.AgentClosed:
                 log.debug("protocol message %r not sent: transport closed", a)
             except RuntimeError as e:  # a stopped pool at close

@@ -15,14 +15,23 @@ accept only ``torch._C.Future`` instances. When torch is already imported, ``Fut
 builds an instance of ``_TorchFuture``, a subclass of both this class and
 ``torch.futures.Future`` created on first use (so ``import rrefrt`` never imports torch,
 and a program without torch pays nothing). Python-level methods are ours (MRO: this class,
-then ``concurrent.futures.Future``, then torch's); the C++ side of the object is completed
-once ours is, by ``_mark_torch`` - with the decoded value, or with the error behind torch's
-unwrap hook (as ``torch.futures.Future.set_exception`` does) - on the thread that runs the
-callbacks: the callback pool for RPC futures, never the I/O thread, since torch runs the
-callbacks of a ``collect_all`` on the thread that completes its last input. So a torch
-future's payload is decoded on the callback pool rather than lazily by its first reader.
-Completions with no Python callback are coalesced (``WorkerPool.submit_batched``).
-Futures created before torch was imported stay plain (not accepted by torch's functions).
+then ``concurrent.futures.Future``, then torch's: every public method of torch's Future is
+overridden, so only torch's C++ functions read the C++ side). That side is completed by
+``_mark_torch`` - with the decoded value, or with the error behind torch's unwrap hook (as
+``torch.futures.Future.set_exception`` does) - and only once something on torch's side
+needs it (*lazily*): a future completed by the runtime (one with a callback pool) that
+torch never touches leaves its C++ side pending, so an ``rpc_async`` that is only read
+through ``wait``/``result`` costs no callback-pool task. torch's functions that read the
+C++ side - ``torch._C._collect_all`` (behind ``torch.futures.collect_all``/``wait_all``)
+and ``torch._C.wait`` (``torch.jit.wait``) - are wrapped once, when the class is built, to
+ask for it first (``_want_torch_side``): a future already done is marked there, on the
+caller's thread; one not yet done is marked on completion, on the thread that runs the
+callbacks - the callback pool for RPC futures, never the I/O thread, since torch runs the
+callbacks of a ``collect_all`` on the thread that completes its last input (completions
+with no Python callback are coalesced, ``WorkerPool.submit_batched``). A future with Python
+callbacks, or none of a pool (a user's ``set_result``, ``then``), is marked when its
+callbacks run, as before. Futures created before torch was imported stay plain (not
+accepted by torch's functions).
 
 NOTE [No cycle through a raised error]: a failed future stores its error, and ``result``/
 ``wait`` raise that object, so its traceback collects the frames it passes through. A
@@ -43,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import concurrent.futures._base as _cf
+import sys
 import threading
 import traceback
 from typing import Any, Callable, Generic, Iterable, TypeVar
@@ -136,6 +146,8 @@ class Future(concurrent.futures.Future, Generic[T]):
     an instance of ``torch.futures.Future`` too when torch is imported (NOTE [torch interop])."""
 
     _torch_side = False  #: the instance is also a torch._C.Future (class attribute)
+    _torch_wanted = False  #: torch's side was asked for: complete it on completion (NOTE [torch interop])
+    _torch_marked = False  #: torch's side is completed (or being completed)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Future[T]":
         if cls is Future:
@@ -303,7 +315,9 @@ class Future(concurrent.futures.Future, Generic[T]):
                     waiter.add_exception(self)
             self._condition.notify_all()
             has_callbacks = bool(self._done_callbacks)
-        if has_callbacks or self._torch_side:
+            # NOTE [torch interop]: the C++ side is completed lazily, when torch asks for it
+            torch_now = self._torch_side and (self._torch_wanted or self._callback_pool is None)
+        if has_callbacks or torch_now:
             pool = self._callback_pool
             if pool is not None:
                 try:
@@ -395,7 +409,11 @@ def _build_torch_class(base: Any) -> Any:
                 super()._invoke_callbacks()
 
             def _mark_torch(self) -> None:
-                """Complete the C++ side (once: _invoke_callbacks runs once per Future)."""
+                """Complete the C++ side, once (NOTE [torch interop])."""
+                with self._condition:
+                    if self._torch_marked:
+                        return
+                    self._torch_marked = True
                 try:
                     if self.cancelled():
                         exc: BaseException | None = concurrent.futures.CancelledError("the Future was cancelled")
@@ -413,8 +431,45 @@ def _build_torch_class(base: Any) -> Any:
 
         _TorchFuture.__module__ = __name__
         _TorchFuture.__qualname__ = "_TorchFuture"
+        _hook_torch_readers(sys.modules.get("torch._C"))
         _torch_cls = _TorchFuture
         return _TorchFuture
+
+
+def _want_torch_side(futures: Iterable[Any]) -> None:
+    """torch is about to read the C++ side of these futures (NOTE [torch interop]): complete
+    it now for those done, on completion for the others. Runs on the caller's thread."""
+    for f in futures:
+        if getattr(f, "_torch_side", False) is not True or not isinstance(f, Future):
+            continue
+        with f._condition:
+            f._torch_wanted = True
+            done = f._state in _DONE
+        if done:
+            f._mark_torch()  # type: ignore[attr-defined]
+
+
+def _hook_torch_readers(torch_c: Any) -> None:
+    """Wrap torch's C++ readers of a future's state so they ask for the C++ side first."""
+    if torch_c is None:
+        return
+    collect = getattr(torch_c, "_collect_all", None)
+    if collect is not None and not getattr(collect, "_rrefrt_wants", False):
+        def _collect_all(futures: Any, _orig: Any = collect) -> Any:
+            futures = list(futures)
+            _want_torch_side(futures)
+            return _orig(futures)
+
+        _collect_all._rrefrt_wants = True  # type: ignore[attr-defined]
+        torch_c._collect_all = _collect_all
+    wait = getattr(torch_c, "wait", None)
+    if wait is not None and not getattr(wait, "_rrefrt_wants", False):
+        def _wait(future: Any, _orig: Any = wait) -> Any:
+            _want_torch_side((future,))
+            return _orig(future)
+
+        _wait._rrefrt_wants = True  # type: ignore[attr-defined]
+        torch_c.wait = _wait
 
 
 def _wait_one(f: Any, timeout: float | None) -> Any:

@@ -245,13 +245,14 @@ class UserDeletes:
     deletes: tuple  #: ((rref_id, fork_id), ...)
 
     def meta(self) -> list[Any]:
-        return [[rid.to_wire(), fid.to_wire()] for rid, fid in self.deletes]
+        return [[[*rid], [*fid]] for rid, fid in self.deletes]  # ids are (worker, n) tuples
 
     @classmethod
     def decode(cls, dest: int, meta: list) -> "UserDeletes":
         if not meta:
             raise ValueError("no deletes")
-        return cls(dest, tuple((_rid(rid), ForkId.from_wire(fid)) for rid, fid in meta))
+        new = RRefId.from_wire
+        return cls(dest, tuple((new(rid), new(fid)) for rid, fid in meta))
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,9 +91,22 @@ class RRef(Generic[T]):
         return self._user_rec.rref_id, self._user_rec.fork_id  # type: ignore[union-attr]
 
     def confirmed_by_owner(self) -> bool:
-        """True on the owner; on a user once the owner has registered this fork (an RRef
-        received as an argument is confirmed before the function runs, as in torch)."""
-        return self._owner_rec is not None or bool(self._user_rec and self._user_rec.confirmed)
+        """True on the owner; on a user once the owner has registered this fork. A fork
+        received from another user (an argument, say) may still be pending when the
+        function starts (NOTE [Early run] in docs/protocol.md): then this waits for the
+        owner's ack, bounded by ``rpc_timeout`` (a waiting pool thread counts as blocked), so
+        inside the function it is True, as in torch, whose callee waits before running. A
+        remote() creation is not waited for (False until the owner answers, as in torch)."""
+        if self._owner_rec is not None:
+            return True
+        rec = self._user_rec
+        if rec is None:
+            return False
+        if not rec.confirmed and rec.fork_id != rec.rref_id and rec.error is None and self._pid == os.getpid():
+            rt = self._rt
+            if not rt.closed:
+                wait_received_confirmed([self], time.monotonic() + rt.options.rpc_timeout)
+        return rec.confirmed
 
     def __repr__(self) -> str:
         rid, fid = self._ids()
@@ -327,12 +340,12 @@ def _rref_created_on_owner(rref: RRef[Any]) -> None:
 
 
 def wait_received_confirmed(rrefs: Sequence[RRef[Any]], deadline: float) -> bool:
-    """Callee side, before a user function runs: wait until every UserRRef received in its
-    arguments is confirmed by its owner (a fork from another user is confirmed one round
-    trip to the owner later), so ``confirmed_by_owner()`` holds inside the function, as in
-    torch. Bounded by ``deadline``; a fork that fails (owner death, retries exhausted) ends
-    the wait too. A pool thread waiting here counts as blocked (NOTE [Blocked pool threads]).
-    Returns False at the deadline."""
+    """Wait until every UserRRef in ``rrefs`` is confirmed by its owner (a fork from another
+    user is confirmed one round trip to the owner after it arrived): what
+    ``confirmed_by_owner()`` does for a received fork (NOTE [Early run] in docs/protocol.md;
+    the callee no longer waits before running a function). Bounded by ``deadline``; a fork
+    that fails (owner death, retries exhausted) ends the wait too. A pool thread waiting
+    here counts as blocked (NOTE [Blocked pool threads]). Returns False at the deadline."""
     recs = [r._user_rec for r in rrefs if r._user_rec is not None and not r._user_rec.confirmed]
     if not recs:
         return True

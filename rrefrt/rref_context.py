@@ -1,7 +1,8 @@
 """The RRef context: who owns what, who holds which fork, what is still in flight.
 
 Owns: the protocol state of one worker (owners, forks, users, pending children) and its
-invariants. Imports from rrefrt: ids, messages, errors. Performs no I/O and never calls
+invariants (their check is in ``rref_audit``, the records in ``rref_records``). Imports from
+rrefrt: ids, messages, errors, rref_records, rref_audit. Performs no I/O and never calls
 user code: each event method updates the maps under ``_lock`` and returns the actions
 (``messages.ForkRequest`` ...) for its caller to perform after the lock is released.
 
@@ -28,9 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OwnerDiedError, RpcError, RRefCreationError, WorkerUnavailableError, fresh
@@ -44,42 +43,17 @@ from .messages import (
     ServeFetch,
     UserDelete,
 )
+from .rref_audit import ContextAudit, creation_site
+from .rref_records import _NO_VALUE, FAILED, PENDING, READY, OwnerRecord, UserRecord
 
-PENDING, READY, FAILED = "pending", "ready", "failed"
-
-
-@dataclass(eq=False)
-class OwnerRecord:
-    """The value of an RRef on its owner."""
-
-    rref_id: RRefId
-    type_name: str = "object"
-    state: str = PENDING  #: pending -> ready | failed (set once)
-    value: Any = None
-    error: BaseException | None = None
-    created: bool = False  #: the creating call (or RRef(value)) has reached this worker
-    waiters: list[tuple[int, int]] = field(default_factory=list)  #: fetches (src, msg_id) before the value
+__all__ = ["RRefContext", "OwnerRecord", "UserRecord", "PENDING", "READY", "FAILED", "_NO_VALUE", "creation_site"]
 
 
-@dataclass(eq=False)
-class UserRecord:
-    """One fork of an RRef held by this (non-owner) worker."""
+class RRefContext(ContextAudit):
+    """The protocol state of one worker (a monitor: see the module docstring). The records
+    are in ``rrefrt/rref_records.py``; the read-only diagnostics (counts, leaks, the
+    invariant check) in ``rrefrt/rref_audit.py``."""
 
-    rref_id: RRefId
-    fork_id: ForkId
-    owner: int
-    parent: int
-    type_name: str = "object"
-    confirmed: bool = False  #: the owner has registered this fork
-    alive: bool = True  #: the Python RRef object still exists
-    children: int = 0  #: forks passed on from this one and not yet accepted
-    error: BaseException | None = None  #: creation failure / owner death, raised on next use
-    creation_deadline: float | None = None  #: remote(timeout): confirmation expected before
-    closed_by_shutdown: bool = False
-    site: str = ""  #: where the Python object was created (strict leak checks)
-
-
-class RRefContext:
     def __init__(self, worker_id: int, ids: IdGenerator) -> None:
         self.worker_id = worker_id
         self.ids = ids
@@ -191,8 +165,7 @@ class RRefContext:
         """G1: delete once the Python object is gone, confirmed, and no child pending."""
         if rec.alive or not rec.confirmed or rec.children or rec.fork_id not in self.confirmed_users:
             return []
-        del self.confirmed_users[rec.fork_id]
-        self._changed.notify_all()
+        del self.confirmed_users[rec.fork_id]  # no waiter's condition changes: no notify
         if rec.owner in self.dead:
             return []
         self.deleting_users[rec.fork_id] = rec
@@ -200,16 +173,28 @@ class RRefContext:
 
     def user_dropped(self, fork_id: ForkId) -> list[Action]:
         """The Python object of a user fork went away (its __del__ enqueued this)."""
+        return self.users_dropped((fork_id,))
+
+    def users_dropped(self, fork_ids: Any) -> list[Action]:
+        """``user_dropped`` for several forks under one lock (NOTE [Drops] in control.py)."""
+        actions: list[Action] = []
         with self._lock:
-            rec = self.pending_users.get(fork_id) or self.confirmed_users.get(fork_id)
-            if rec is None or not rec.alive:
-                return []
-            rec.alive = False
-            return self._maybe_delete(rec)
+            pending, confirmed = self.pending_users, self.confirmed_users
+            for fork_id in fork_ids:
+                rec = pending.get(fork_id) or confirmed.get(fork_id)
+                if rec is not None and rec.alive:
+                    rec.alive = False
+                    actions += self._maybe_delete(rec)
+        return actions
 
     def on_user_delete_ack(self, fork_id: ForkId) -> None:
+        self.on_user_deletes_ack((fork_id,))
+
+    def on_user_deletes_ack(self, fork_ids: Any) -> None:
+        """The owner acknowledged these deletes (one RREF_USER_DELETE(S)); one lock."""
         with self._lock:
-            if self.deleting_users.pop(fork_id, None) is not None:
+            deleting = self.deleting_users
+            if sum(deleting.pop(fid, None) is not None for fid in fork_ids):
                 self._changed.notify_all()
 
     def on_child_accept(self, fork_id: ForkId) -> list[Action]:
@@ -396,25 +381,31 @@ class RRefContext:
 
     def on_user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
         with self._lock:
-            self.deleted_forks.add(fork_id)
-            rec = self.owners.get(rref_id)
-            if rec is not None and not rec.created and not self.forks.get(rref_id) and fork_id == rref_id:
-                # the creator gave the creation up as lost: drop the placeholder, fail its fetches
-                del self.owners[rref_id]
-                self.released.add(rref_id)  # a late fetch or fork must not re-create it
-                rec.state = FAILED
-                rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
-                waiters, rec.waiters = rec.waiters, []
-                self._changed.notify_all()
-                return [ServeFetch(src, mid, rec) for src, mid in waiters]
-            return self._drop_fork(rref_id, fork_id)
+            return self._user_delete(rref_id, fork_id)
 
     def on_user_deletes(self, deletes: Any) -> list[Action]:
-        """Several RREF_USER_DELETE at once (``messages.UserDeletes``), in their order."""
+        """Several RREF_USER_DELETE at once (``messages.UserDeletes``), in their order, under
+        one lock: the owner's count drops for all of them at once (the benchmark's drain)."""
         actions: list[Action] = []
-        for rref_id, fork_id in deletes:
-            actions += self.on_user_delete(rref_id, fork_id)
+        with self._lock:
+            for rref_id, fork_id in deletes:
+                actions += self._user_delete(rref_id, fork_id)
         return actions
+
+    def _user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
+        """Under the lock: one RREF_USER_DELETE."""
+        self.deleted_forks.add(fork_id)
+        rec = self.owners.get(rref_id)
+        if rec is not None and not rec.created and not self.forks.get(rref_id) and fork_id == rref_id:
+            # the creator gave the creation up as lost: drop the placeholder, fail its fetches
+            del self.owners[rref_id]
+            self.released.add(rref_id)  # a late fetch or fork must not re-create it
+            rec.state = FAILED
+            rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
+            waiters, rec.waiters = rec.waiters, []
+            self._changed.notify_all()
+            return [ServeFetch(src, mid, rec) for src, mid in waiters]
+        return self._drop_fork(rref_id, fork_id)
 
     def _drop_fork(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
         forks = self.forks.get(rref_id)
@@ -491,15 +482,6 @@ class RRefContext:
                     actions += self._maybe_delete(rec)
             return actions
 
-    def live_user_sites(self) -> list[str]:
-        """User forks whose Python object is still referenced (strict leak check)."""
-        with self._lock:
-            return [
-                f"RRef {r.rref_id} (fork {r.fork_id}, owner worker {r.owner}) created at {r.site or '<unknown>'}"
-                for r in list(self.pending_users.values()) + list(self.confirmed_users.values())
-                if r.alive
-            ]
-
     def wait_value(self, rec: OwnerRecord, deadline: float) -> bool:
         """Until an owned value is set (or failed); False at the deadline."""
         with self._lock:
@@ -529,70 +511,3 @@ class RRefContext:
                     return False
                 self._changed.wait(min(left, 0.1))
             return True
-
-    def leaks(self) -> list[str]:
-        with self._lock:
-            return [
-                f"RRef {rid} fork {fid} held by worker {holder}"
-                for rid, forks in self.forks.items()
-                for fid, holder in forks.items()
-                if holder not in self.dead
-            ]
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "num_owner_rrefs": len(self.owners),
-                "num_forks": sum(len(f) for f in self.forks.values()),
-                "num_pending_users": len(self.pending_users),
-                "num_pending_children": len(self.pending_children),
-                "num_confirmed_users": len(self.confirmed_users),
-                "num_deleting_users": len(self.deleting_users),
-            }
-
-    # ------------------------------------------------------------------ invariants
-    def validate(self) -> None:
-        """Check every invariant; raise AssertionError naming the broken one."""
-        with self._lock:
-            for rid, forks in self.forks.items():
-                assert forks, f"empty fork set kept for {rid}"
-                assert rid in self.owners, f"forks of {rid} without an owner record"
-            for rid, rec in self.owners.items():
-                assert rec.rref_id == rid
-                if not self.forks.get(rid):
-                    assert rec.state == PENDING, f"owner record {rid} kept with no fork"
-                assert rec.state == PENDING or not rec.waiters, f"{rid} has waiters but a value"
-            tables = (self.pending_users, self.confirmed_users, self.deleting_users)
-            for i, a in enumerate(tables):
-                for b in tables[i + 1 :]:
-                    assert not (a.keys() & b.keys()), "a user fork is in two user maps"
-            for fid, rec in self.pending_users.items():
-                assert not rec.confirmed and rec.fork_id == fid
-            for fid, rec in self.confirmed_users.items():
-                assert rec.confirmed and rec.fork_id == fid
-                assert rec.alive or rec.children > 0, f"dropped user {fid} kept without children"
-            for fid, rec in self.deleting_users.items():
-                assert rec.confirmed and not rec.alive and rec.children == 0, f"early delete of {fid} (G1)"
-            count: dict[int, int] = {}
-            for fid, (parent, _) in self.pending_children.items():
-                count[id(parent)] = count.get(id(parent), 0) + 1
-                assert (
-                    parent.fork_id in self.pending_users or parent.fork_id in self.confirmed_users
-                ), f"pending child {fid} whose parent fork {parent.fork_id} is gone (G2)"
-            for rec in list(self.pending_users.values()) + list(self.confirmed_users.values()):
-                assert rec.children == count.get(id(rec), 0), f"child count of {rec.fork_id} is off"
-
-
-class _NoValue:
-    pass
-
-
-_NO_VALUE: Any = _NoValue()
-
-
-def creation_site() -> str:
-    """The first frame outside rrefrt: where user code created an RRef."""
-    for frame in reversed(traceback.extract_stack(limit=12)):
-        if "/rrefrt/" not in frame.filename.replace("\\", "/"):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return "<unknown>"

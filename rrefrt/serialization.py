@@ -155,7 +155,9 @@ def dumps(
         err = SerializationError(f"cannot send {_describe(obj)}: {type(e).__name__}: {e}")
         err.forks = p.forks  # type: ignore[attr-defined]
         raise err from e
-    return [f.getbuffer(), *(b.raw() for b in out)], p.forks
+    # getvalue(): the stream as bytes without a copy (no buffer export is alive), so the
+    # transport need not copy it for the argument snapshot (bytes are immutable)
+    return [f.getvalue(), *(b.raw() for b in out)], p.forks
 
 
 def loads(frames: Sequence[Any], rrefs: list[Any]) -> Any:

@@ -26,6 +26,7 @@ import pytest
 import zmq
 
 import rrefrt
+from rrefrt import faults
 from rrefrt.messages import (PYTHON_CALL, PYTHON_REMOTE, REMOTE_RET, RREF_CHILD_ACCEPT, RREF_FETCH,
                              RREF_FORK_REQUEST, RREF_USER_DELETE)
 from tests import failure_fns as ff
@@ -188,6 +189,41 @@ def test_sigkill_mid_call_fails_every_future_within_1s_and_others_keep_working(g
     (code, out), = group.workers.wait_all(15)[1:]
     print(f"graceful shutdown of w0 and w2 with w1 dead: {took:.3f} s (shutdown_timeout 30 s: it did not wait for w1)")
     assert took < 2.0
+    assert code == 0, out
+
+
+@pytest.mark.timeout(60)
+def test_owner_killed_while_a_received_fork_awaits_its_ack(group):
+    """NOTE [Early run] in docs/protocol.md: a function runs while the fork it received from
+    another user is unconfirmed; the owner is SIGKILLed before it confirms. Inside the
+    function confirmed_by_owner() returns False as soon as the death is known (it does not
+    wait out rpc_timeout) and to_here() raises OwnerDiedError; the fork and the parent's
+    pending child are gone (G3) and a graceful shutdown does not wait for them."""
+    procs = group(3)
+    rref = rrefrt.remote("w1", fns.identity, args=(5,))
+    assert rref.to_here() == 5
+    # every ack of a fork request is lost, and w2 would send its request again only in 20 s
+    rrefrt.rpc_sync("w1", faults.install, args=(faults.FaultPlan([faults.Rule("RESPONSE:RREF_FORK_REQUEST", "drop")]),))
+    rrefrt.rpc_sync("w2", faults.install, args=(faults.FaultPlan([], control_retry_interval=20.0),))
+    fut = rrefrt.rpc_async("w2", fns.confirmed_then_value, args=(rref,))
+    poll_for(lambda: rrefrt.rpc_sync("w2", fns.owner_counts)["num_pending_users"] == 1, 10)
+    t0 = time.monotonic()
+    os.kill(procs["w1"].pid, signal.SIGKILL)
+    confirmed, value, _ = fut.wait(20)
+    took = time.monotonic() - t0
+    print(f"\nowner SIGKILLed with a pending fork: confirmed_by_owner() -> {confirmed}, to_here() -> {value} "
+          f"after {took:.3f} s (rpc_timeout 30 s)")
+    assert confirmed is False and value == "OwnerDiedError"
+    assert took < 10
+    poll_for(lambda: rrefrt.rpc_sync("w2", fns.owner_counts)["num_pending_users"] == 0, 5)
+    assert fns.owner_counts()["num_pending_children"] == 0
+    with pytest.raises(rrefrt.OwnerDiedError, match="w1"):
+        rref.to_here()
+    del rref, fut
+    t1 = time.monotonic()
+    rrefrt.shutdown()
+    assert time.monotonic() - t1 < 5.0
+    (code, out), = group.workers.wait_all(15)[1:]
     assert code == 0, out
 
 

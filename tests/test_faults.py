@@ -147,3 +147,34 @@ def test_leak_from_dropped_user_deletes_is_reported(workers):
     assert owner["error"] == "RRefLeakError", owner
     assert any("held by worker 0" in leak for leak in owner["leaks"]), owner
     assert "RRef leak on worker 'w1'" in owner_log
+
+
+def test_a_call_runs_before_the_owner_confirms_the_fork_it_received(plans):
+    """NOTE [Early run] in docs/protocol.md: the callee runs a function at once, while a fork
+    it received from another user still waits for the owner's ack (the parent's fork keeps
+    the value alive meanwhile); confirmed_by_owner() waits for the ack instead, so it is True
+    inside the function, as in torch. A fork dropped while pending is deleted once the ack
+    comes (G1), and nothing leaks."""
+    before = retries("w2")
+    # the owner's first two acks of a fork request are lost: w2 sends each again after 4 s
+    plans("w1", faults.Rule("RESPONSE:RREF_FORK_REQUEST", "drop", first=2))
+    plans("w2", retry=4.0)
+    rref = rrefrt.remote("w1", fns.identity, args=(5,))
+    assert rref.to_here() == 5
+    # 1. the function ran before the owner confirmed the fork, and read the value meanwhile
+    #    (a fetch of a fork the owner does not know yet: w0's fork keeps the value)
+    assert rrefrt.rpc_sync("w2", fns.fork_state_at_start, args=(rref,)) == (False, 5)
+    # the call is over; its fork waits for the ack, and w0 keeps its own fork for it (G2)
+    assert rrefrt.rpc_sync("w2", fns.owner_counts)["num_pending_users"] == 1
+    assert fns.owner_counts()["num_pending_children"] >= 1
+    # 2. torch's rule: an RRef received as an argument is confirmed inside the function
+    confirmed, value, waited = rrefrt.rpc_sync("w2", fns.confirmed_then_value, args=(rref,))
+    assert (confirmed, value) == (True, 5)
+    assert rrefrt.rpc_sync("w1", faults.stats) == {"drop:RESPONSE:RREF_FORK_REQUEST": 2}
+    assert retries("w2") - before >= 2
+    # 3. both forks, dropped by w2 while pending, were deleted after their acks: the owner
+    #    frees the value once w0 drops its RRef too, and no fork or child is left anywhere
+    del rref
+    drained("w1")
+    poll_for(lambda: all(rrefrt.rpc_sync(w, fns.owner_counts) == dict.fromkeys(fns.owner_counts(), 0)
+                         for w in ("w0", "w2")), 10, lambda: [rrefrt.rpc_sync(w, fns.owner_counts) for w in WORKERS])

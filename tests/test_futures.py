@@ -422,3 +422,29 @@ def test_a_failed_future_is_freed_without_gc_after_its_error_was_raised(read, ho
         assert probe() is None, gc.get_referrers(probe())
     finally:
         gc.enable()
+
+
+def test_the_torch_side_of_a_runtime_completed_future_is_completed_only_when_torch_asks():
+    """NOTE [torch interop]: an RPC future read only through wait() costs no callback-pool
+    task; torch's readers (wait_all, collect_all, torch.jit.wait) still see it complete."""
+    pool = WorkerPool("test-callbacks", 2)
+    try:
+        futs = []
+        for i in range(3):
+            f: Future = Future()
+            f._callback_pool = pool
+            f._complete_lazy(lambda i=i: i + 10)
+            futs.append(f)
+        assert futs[0].wait() == 10
+        assert not any(torch._C.Future.done(f) for f in futs)  # nothing on torch's side yet
+        assert pool.stats()["wakes"] == 0 and pool.stats()["threads"] == 0  # and no task for it
+        assert torch.futures.wait_all(futs[:2]) == [10, 11]
+        # (torch.jit.wait, deprecated, holds the GIL while it blocks: only on a done future)
+        assert torch._C.Future.done(futs[1]) and torch._C.wait(futs[2]) == 12  # torch.jit.wait
+        late: Future = Future()
+        late._callback_pool = pool
+        collected = torch.futures.collect_all([late])  # asked before it completes
+        late._complete_lazy(lambda: "late")
+        assert collected.wait()[0].wait() == "late" and torch._C.Future.done(late)
+    finally:
+        pool.stop()

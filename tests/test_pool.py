@@ -125,3 +125,66 @@ def test_submit_batched_drains_a_burst_in_few_tasks(pool):
     assert sorted(drained) == list(range(100)) and len(batches) <= 3
     pool.submit_batched(100, drain)  # a new burst schedules a new drain
     poll_for(lambda: len(drained) == 101, 10)
+
+
+def test_a_burst_of_quick_tasks_wakes_one_runner_not_a_thread_per_task():
+    """NOTE [One runner under load]: the thread running tasks takes the next one itself; a
+    burst costs one wake-up (plus the watcher), not one thread per task."""
+    p = WorkerPool("burst", 8, max_queue_wait=5.0)  # the watcher never steps in here
+    ran_on: set = set()
+    done = threading.Event()
+    try:
+        for i in range(200):
+            p.submit(lambda i=i: (ran_on.add(threading.current_thread().name), i == 199 and done.set()))
+        assert done.wait(10)
+        s = p.stats()
+        assert s["peak_threads"] <= 2 and len(ran_on) == 1, (s, ran_on)  # was: 8 threads
+    finally:
+        p.stop()
+
+
+def test_a_task_queued_behind_a_long_one_starts_within_the_bound():
+    """A long task that never says it blocks must not hold the queue: the watcher (a task
+    queued right behind it) and submit (a task queued once it has run a while) start
+    another thread."""
+    p = WorkerPool("long", 4, max_queue_wait=0.05)
+    gate, first, second = threading.Event(), threading.Event(), threading.Event()
+    try:
+        p.submit(gate.wait, 30)
+        p.submit(first.set)  # right behind it: the watcher's case
+        assert first.wait(10) and not gate.is_set()
+        poll_for(lambda: p.stats()["active"] == 1, 10, "the second thread went idle")
+        p.submit(second.set)  # long after it started: submit wakes a thread at once
+        assert second.wait(10) and not gate.is_set()
+        assert p.stats()["threads"] <= 3
+    finally:
+        gate.set()
+        p.stop()
+
+
+def test_every_thread_is_accounted_for_after_nested_waits_between_two_pools():
+    """Threads idle, watching, running or blocked add up to the threads alive (a thread
+    woken twice before it ran once was counted idle twice: a lost wake-up, a hung call)."""
+    a, b = WorkerPool("a", 2, max_threads=200), WorkerPool("b", 2, max_threads=200)
+
+    def nested(depth: int, here: WorkerPool, there: WorkerPool) -> None:
+        if depth:
+            f: Future = Future()
+            there.submit(lambda: (nested(depth - 1, there, here), f.set_result(1)))
+            f.result(30)
+
+    try:
+        for _ in range(3):
+            outs = []
+            for i in range(60):
+                out: Future = Future()
+                a.submit(lambda out=out, i=i: (nested(i % 5, a, b), out.set_result(i)))
+                outs.append(out)
+            assert [o.result(30) for o in outs] == list(range(60))
+            for p in (a, b):
+                poll_for(lambda: p.stats()["active"] == p.stats()["blocked"] == p.stats()["queued"] == 0, 10)
+                s = p.stats()
+                assert s["threads"] == s["idle"] + s["watching"], s
+    finally:
+        a.stop()
+        b.stop()

@@ -456,6 +456,38 @@ def test_the_rref_protocol_runs_off_the_control_thread(group: Group) -> None:
     poll_for(lambda: w0.ctx.counts() == dict.fromkeys(w0.ctx.counts(), 0), 5, lambda: w0.ctx.counts())
 
 
+def test_a_burst_of_drops_wakes_the_control_thread_once_and_a_call_waits_for_a_flush(group: Group) -> None:
+    """NOTE [Drops]: RRefs dropped together queue one FlushDrops, not one per RRef (each
+    item is a wake-up of the control thread), and a call made while another thread is
+    sending a batch of deletes it took waits for it: the owner has applied every delete
+    by the time it answers that call."""
+    w0 = group.rts[0]
+    w0.control.stop(5.0)  # its queue is only looked at here
+    with group.as_worker(0):
+        base = rrefrt.rpc_sync("w1", owned_here)
+        refs = [rrefrt.remote("w1", add, args=(i, i)) for i in range(200)]
+        for r in refs:
+            poll_for(r.confirmed_by_owner, 5)
+        queued = w0.control.queue.qsize()
+        del refs, r
+        assert len(w0.control.drops) == 200
+        assert w0.control.queue.qsize() - queued == 1
+        real = w0.control._perform
+
+        def slow(actions: Any) -> None:  # the flushing thread is slow to send what it took
+            if threading.current_thread().name == "flusher":
+                time.sleep(0.5)
+            real(actions)
+
+        w0.control._perform = slow  # type: ignore[method-assign]
+        flusher = threading.Thread(target=w0.control.flush_drops, name="flusher")
+        flusher.start()
+        poll_for(lambda: not len(w0.control.drops), 5, "the flusher took every drop")
+        assert rrefrt.rpc_sync("w1", owned_here) == base  # sent after the flusher's deletes
+        flusher.join(5)
+    poll_for(lambda: w0.ctx.counts() == dict.fromkeys(w0.ctx.counts(), 0), 5, lambda: w0.ctx.counts())
+
+
 def test_release_rrefs_collects_garbage_only_for_strict_leak_checks(group: Group, monkeypatch: Any) -> None:
     """Shutdown deletes every user fork, referenced or not: a full gc.collect() (~95 ms per
     rank with torch loaded) is needed only to tell live RRefs from garbage in strict mode."""

@@ -353,3 +353,11 @@ def test_an_error_passed_on_over_nested_calls_does_not_grow_per_hop(make):
     assert sizes[-1] - sizes[0] < 40, sizes  # only the worker names were added
     if isinstance(err, ValueError):
         assert err.worker == "w4" and "innermost cause" in err.remote_traceback
+
+
+def test_pickle_stream_is_bytes_so_the_transport_sends_it_without_a_snapshot_copy():
+    # a memoryview of the stream would be copied by the zmq transport for the argument
+    # snapshot (transport/lend.py); bytes are immutable and travel as they are
+    frames, _ = ser.dumps((b"x" * (1 << 20), torch.ones(4)))
+    assert type(frames[0]) is bytes and len(frames[0]) > 1 << 20
+    assert ser.loads(frames, [])[0] == b"x" * (1 << 20)

@@ -777,3 +777,60 @@ def test_requests_to_self_use_the_loopback_path(mesh: Mesh) -> None:
     poll_for(lambda: a.behaviour.received == 1 + n + 2, 5)
     agent.close()
     assert isinstance(c.wait(1).error, AgentClosed)
+
+
+# ---------------------------------------------------------------------------- lent frames
+@pytest.mark.timeout(90)
+def test_large_buffers_are_lent_without_a_copy_and_released_before_request_returns(mesh: Mesh) -> None:
+    """NOTE [Lent frames] (transport/lend.py): a large mutable frame is sent from the caller's
+    memory; request() returns once libzmq let go of it, so mutating it afterwards does not
+    change what the peer got (the snapshot); to a peer that stops reading, request() returns
+    once the peer is declared dead (bounded), and nothing crashes."""
+    opts = dict(heartbeat_interval=0.2, heartbeat_timeout=1.0, route_grace=0.3)
+    a = mesh.local(0, "A", opts)
+    b = mesh.child(1, "B", opts)
+    k = mesh.child(2, "K", opts)
+    mesh.join(a, [b, k])
+    agent = a.agent
+    rng = random.Random(3)
+    for size in (1 << 20, 24 << 20):  # copied (below lend.LEND_MIN), lent
+        buf = bytearray(rng.randbytes(size))
+        small = bytearray(b"s" * 1000)
+        expect = [bytes(buf), bytes(small)]
+        lent0 = agent.stats["bytes_lent"]
+        c = call(agent, 1, ECHO, [size], [buf, small], timeout=30)
+        assert agent.stats["bytes_lent"] - lent0 == (size if size >= 4 << 20 else 0), "lent or copied wrongly"
+        buf[:] = b"\xff" * size  # right after request() returned
+        small[:] = b"m" * 1000
+        assert c.result(30) == ([size], expect), "a frame mutated after request() returned reached the peer"
+
+    def send_in_background(dest: int) -> tuple[threading.Event, list[Call]]:
+        done, out = threading.Event(), []
+
+        def run() -> None:
+            out.append(call(agent, dest, ECHO, ["big"], [bytearray(128 << 20)], timeout=0))
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        return done, out
+
+    # killed mid-transfer: its connection closes, libzmq drops the message, request() returns
+    done, out = send_in_background(2)
+    poll_for(lambda: agent.stats["bytes_lent"] >= (24 << 20) + (128 << 20), 10, "the lent request issued")
+    t0 = time.monotonic()
+    k.kill()
+    assert done.wait(20), "request() with a lent frame to a killed peer did not return"
+    print(f"\n[transport] lent 128 MiB to a SIGKILLed peer: request() returned {time.monotonic() - t0:.2f} s after the kill")
+    err = out[0].wait(10).error
+    assert err is None or isinstance(err, PeerUnavailable), err  # None: the echo beat the kill
+
+    os.kill(b.pid, signal.SIGSTOP)  # stops reading: a large message can never be released
+    try:
+        t0 = time.monotonic()
+        done, out = send_in_background(1)
+        assert done.wait(20), "request() with a lent frame to a stopped peer did not return"
+        print(f"[transport] lent 128 MiB to a SIGSTOPped peer: request() returned after {time.monotonic() - t0:.2f} s")
+        assert isinstance(out[0].wait(10).error, PeerUnavailable)
+        assert not agent.is_alive(1)
+    finally:
+        os.kill(b.pid, signal.SIGKILL)

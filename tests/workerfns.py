@@ -351,3 +351,24 @@ def big_result(size: int, marker: str = "") -> bytes:
         with open(marker, "w"):
             pass
     return data
+
+
+
+def fork_state_at_start(rref: rrefrt.RRef) -> tuple:
+    """NOTE [Early run]: whether the received fork was confirmed when this function started
+    (read from its record, not through confirmed_by_owner(), which would wait), then its
+    value (a fetch of a fork the owner may not know yet)."""
+    confirmed_at_start = rref._user_rec.confirmed
+    return confirmed_at_start, rref.to_here()
+
+
+def confirmed_then_value(rref: rrefrt.RRef) -> tuple:
+    """confirmed_by_owner() of a received fork (waits for the owner's ack), then to_here();
+    an error of the fetch is returned by name (the owner may die meanwhile)."""
+    t0 = time.monotonic()
+    confirmed = rref.confirmed_by_owner()
+    try:
+        value: Any = rref.to_here(timeout=10)
+    except rrefrt.RpcError as e:
+        value = type(e).__name__
+    return confirmed, value, time.monotonic() - t0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from .base import OnDone, PeerSpec
 
@@ -37,12 +37,3 @@ class Peer:
     backlog: collections.deque = field(default_factory=collections.deque)  #: frames not yet routable
     hello_due: float = 0.0
 
-
-def snapshot(frames: Sequence[Any]) -> list[Any]:
-    """NOTE [Argument snapshot]: API.md promises that an argument mutated after rpc_async
-    returns reaches the callee unchanged. Frames that alias the caller's memory (memoryviews
-    of tensor storage) are copied here, on the calling thread, before the I/O thread sends
-    them later; ``bytes`` frames are immutable and go as they are (zero-copy for large ones).
-    The same-host transport gives the snapshot for free: its sending thread has written the
-    bytes (to the socket or a shared-memory segment) before it returns."""
-    return [f if isinstance(f, bytes) else bytes(f) for f in frames]

@@ -70,9 +70,8 @@ import time
 from typing import Any, Callable, Sequence
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from . import base, security, wire, zmqmesh
+from . import base, lend, security, wire, zmqmesh
 from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig
 from .errors import AgentClosed, AuthenticationFailed, Fenced, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
 from .echo import Echo
@@ -80,7 +79,7 @@ from .heartbeat import PROBE_S, Heartbeat
 from .hosts import IpcDir, host_id
 from .joinpolicy import JoinPolicy
 from .liveness import LivenessTable, PeerState, Verdict
-from .records import ZERO_COPY_MIN, Pending as _Pending, Peer as _Peer, nbytes as _nbytes, snapshot
+from .records import ZERO_COPY_MIN, Pending as _Pending, Peer as _Peer, nbytes as _nbytes
 from .loop import IOLoop, LoopClosed
 from .zmqmesh import ECHO, LIVE  # suffixes of the heartbeat / echo endpoints in a PeerAddress
 
@@ -140,7 +139,7 @@ class ZmqTransport:
         self._echo = Echo(self._ctx, c.worker_id, auth)
         self._loop = IOLoop(f"rrefrt-io-{c.name}", self.stats, self._shutdown_data)
         self._loop.register(self._sock, self._recv_all)
-        self._loop.register(self._monitor, self._read_monitor)
+        self._loop.register(self._monitor, lambda: zmqmesh.read_monitor(self))
         if self._zap is not None:
             self._loop.register(self._zap.socket, self._zap.serve)
         self._loop.wake_hint = self._wake_hint
@@ -224,17 +223,19 @@ class ZmqTransport:
         self._check_usable(fenced_ok=True)
         self._check_size(dest, frames)
         msg_id = next(self._ids)
-        out = [self._header(kind, msg_id, meta), *snapshot(frames)]
+        out = self._prepare(dest, self._header(kind, msg_id, meta), frames)
         pending = _Pending(dest, msg_id, timeout, on_done)
         self._schedule(lambda: self._issue(pending, out, label))
+        self._await_lent(out, dest, time.monotonic() + timeout if timeout > 0 else None)
         return msg_id
 
     def send(self, dest: int, kind: int, meta: Any, frames: Sequence[Any] = (), msg_id: int = 0, label: str = "") -> None:
         """Send a one-way message (or a RESPONSE when kind is wire.RESPONSE)."""
         self._check_usable()
         self._check_size(dest, frames)
-        out = [self._header(kind, msg_id, meta), *snapshot(frames)]
+        out = self._prepare(dest, self._header(kind, msg_id, meta), frames)
         self._schedule(lambda: self._send_faulty(dest, out, label))
+        self._await_lent(out, dest, None)
 
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
         self.send(dest, wire.RESPONSE, meta, frames, msg_id, label)
@@ -312,6 +313,20 @@ class ZmqTransport:
             whose = "" if limit == self.config.max_message_size else f" of worker {self.peer_name(dest)!r}"
             raise MessageTooLarge(f"message of {size} bytes exceeds the limit{whose} of {limit} bytes")
 
+    def _prepare(self, dest: int, header: bytes, frames: Sequence[Any]) -> list[Any]:
+        """NOTE [Lent frames] in transport.lend: large buffers lent, small ones copied."""
+        out, self.stats["bytes_lent"] = lend.prepare(
+            [header, *frames], dest == self.id or self.fault_hook is not None or self._loop.in_loop(),
+            self.stats["bytes_lent"])
+        return out
+
+    def _await_lent(self, msg: list[Any], dest: int, deadline: float | None) -> None:
+        if not isinstance(msg, lend.Lent):
+            return
+        gone = lambda: self._closing or self._fenced is not None or self.table.state(dest) is PeerState.DEAD  # noqa: E731
+        if not lend.await_release(msg, gone, deadline):
+            self.stats["lent_unreleased"] += 1  # Rule 3: a peer that stopped reading mid-message
+
     @staticmethod
     def _header(kind: int, msg_id: int, meta: Any) -> bytes:
         head = wire.encode_header(kind, msg_id, meta)
@@ -357,11 +372,13 @@ class ZmqTransport:
 
     def _issue(self, p: _Pending, frames: list, label: str) -> None:
         if self._closing or self._fenced is not None:
+            lend.drop(frames)
             self._fail(p, self._fenced or AgentClosed(f"the transport was shut down (worker {self.name!r})"))
             return
         if p.dest != self.id:
             peer = self._peers.get(p.dest)
             if peer is None or self.table.state(p.dest) is PeerState.DEAD:
+                lend.drop(frames)
                 cause = self.table.cause(p.dest) or "it was declared dead" if peer else "it is not a member of this group"
                 self._fail(p, PeerUnavailable(self.peer_name(p.dest), cause))
                 return
@@ -383,7 +400,7 @@ class ZmqTransport:
     def _send_faulty(self, dest: int, frames: list, label: str) -> None:
         """Send through the fault hook, when one is installed (NOTE [Fault injection])."""
         hook = self.fault_hook
-        if hook is None:
+        if hook is None or isinstance(frames, lend.Lent):  # lent: prepared before the hook came
             self._send(dest, frames)
             return
         for delay in hook(dest, label):
@@ -399,20 +416,29 @@ class ZmqTransport:
         peer = self._peers.get(dest)
         if peer is None or self.table.state(dest) is PeerState.DEAD:
             self.stats["dropped_to_dead"] += 1
+            lend.drop(frames)
             return
         if peer.backlog or not peer.joined or not self._try_send(peer, frames):
             peer.backlog.append(frames)
 
     def _try_send(self, peer: _Peer, frames: list) -> bool:
-        small = all((f.nbytes if isinstance(f, memoryview) else len(f)) < ZERO_COPY_MIN for f in frames)
+        parts = lend.begin(frames) if isinstance(frames, lend.Lent) else None  # NOTE [Lent frames]
+        if parts == []:  # its sender gave up on it (lend Rule 3)
+            return True
+        small = parts is None and all((f.nbytes if isinstance(f, memoryview) else len(f)) < ZERO_COPY_MIN for f in frames)
+        size = sum(_nbytes(f) for f in frames)
         try:
-            self._sock.send_multipart([peer.rid, *frames], flags=_NOBLOCK, copy=small)
+            self._sock.send_multipart([peer.rid, *(frames if parts is None else parts)], flags=_NOBLOCK, copy=small)
         except zmq.ZMQError as e:
+            if parts is not None:
+                lend.finish(frames, parts, False)  # type: ignore[arg-type]
             if e.errno in (errno.EHOSTUNREACH, errno.EAGAIN):
                 return False
             raise
+        if parts is not None:
+            lend.finish(frames, parts, True)  # type: ignore[arg-type]
         self.stats["messages_sent"] += 1
-        self.stats["bytes_sent"] += sum(_nbytes(f) for f in frames)
+        self.stats["bytes_sent"] += size
         return True
 
     def _flush_backlog(self, peer: _Peer) -> None:
@@ -505,23 +531,6 @@ class ZmqTransport:
             pass
         else:
             self.stats["bad_frames_dropped"] += 1
-
-    def _read_monitor(self) -> None:
-        while True:
-            try:
-                ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            event, endpoint = int(ev["event"]), ev["endpoint"].decode(errors="replace")
-            if event & security.HANDSHAKE_FAILED:
-                pid = self._policy.connects.get(endpoint, (None, ""))[0]
-                peer = self._peers.get(pid) if pid is not None else None
-                err = self._policy.failed(endpoint, event, int(ev["value"]), not self._all_up.is_set(),
-                                          peer is not None and not peer.joined, time.monotonic())
-                if err is not None:
-                    self._fail_join(err)
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._policy.succeeded(endpoint)
 
     def _fail_join(self, err: AuthenticationFailed) -> None:
         if self._join_error is None:

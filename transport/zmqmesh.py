@@ -1,7 +1,8 @@
 """The mesh of the zmq transport: which peers it connects to, and changes to a running mesh.
 
 Owns: the connection plan of a join (which endpoint of each peer, who connects to whom),
-and the two operations of a dynamic group on a running ``ZmqTransport``: ``add_peers``
+the data socket's monitor (``read_monitor``: handshakes of the join), and the two
+operations of a dynamic group on a running ``ZmqTransport``: ``add_peers``
 (peers that joined later, or a new incarnation of a departed id) and ``remove_peer`` (a
 member left or was evicted). Imports only zmq (through the transport), the transport's own
 modules and the standard library; the transport's methods delegate here.
@@ -26,6 +27,9 @@ from __future__ import annotations
 import logging
 import time
 from typing import TYPE_CHECKING, Sequence
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from . import security, wire
 from .base import PeerSpec
@@ -149,3 +153,23 @@ def remove_peer(t: "ZmqTransport", peer_id: int, cause: str) -> None:
 
 
 __all__ = ["plan", "setup", "add_peers", "remove_peer", "LIVE", "ECHO"]
+
+
+def read_monitor(agent: ZmqTransport) -> None:
+    """Data loop: the data socket's monitor events - the handshakes of the join, judged by
+    the join policy (``transport.joinpolicy``)."""
+    while True:
+        try:
+            ev = parse_monitor_message(agent._monitor.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return
+        event, endpoint = int(ev["event"]), ev["endpoint"].decode(errors="replace")
+        if event & security.HANDSHAKE_FAILED:
+            pid = agent._policy.connects.get(endpoint, (None, ""))[0]
+            peer = agent._peers.get(pid) if pid is not None else None
+            err = agent._policy.failed(endpoint, event, int(ev["value"]), not agent._all_up.is_set(),
+                                      peer is not None and not peer.joined, time.monotonic())
+            if err is not None:
+                agent._fail_join(err)
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            agent._policy.succeeded(endpoint)
