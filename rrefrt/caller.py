@@ -28,6 +28,7 @@ from .errors import (
     WorkerUnavailableError,
     fresh,
 )
+from .creation import UNKNOWN
 from .futures import Future
 from .messages import ForkData, Fetch, OK, PythonCall, RemoteRequest, Response
 from .rref import RRef, _invoke_on_owner
@@ -109,16 +110,21 @@ class Caller:
         msg = RemoteRequest(dest, urec.rref_id, urec.fork_id, tname, fork_data)
         if rt.control.drops:  # NOTE [Drops]
             self.flush_drops()
+        cell = rt.creation.new(urec.fork_id)
         try:
-            rt.creation.send(msg, frames)
+            rt.creation.send(msg, frames, cell)
         except transport.TransportError as e:
             self.abort_forks(forks)
             rt.control.perform(rt.ctx.on_remote_ret(urec.fork_id, translate(e, "remote()")))
             raise translate(e, "remote()") from None
-        return RRef._from_user(rt, urec)
+        rref = RRef._from_user(rt, urec)
+        rref._creation = cell  # NOTE [Inline creation values] in rrefrt/creation.py
+        return rref
 
     def fetch(self, rref: RRef[Any], timeout: float, waited: bool = False) -> Future[Any]:
-        """``waited``: the caller only waits for the value (``to_here``): a WaitedFuture."""
+        """``waited``: the caller only waits for the value (``to_here``): a WaitedFuture.
+        An RRef created here by remote() may need no fetch: its creation's answer carried
+        the value, or will (NOTE [Inline creation values] in rrefrt/creation.py)."""
         rt = self.rt
         rec = rref._user_rec
         assert rec is not None
@@ -128,13 +134,33 @@ class Caller:
             t = max(0.001, min(t, left)) if t > 0 else max(0.001, left)
         fut: Future[Any] = WaitedFuture() if waited else Future()
         fut._callback_pool = rt.callbacks
+        cell = rref._creation
+        if cell is not None:
+            value = cell.value
+            if value is not UNKNOWN:  # a plain value, carried by the creation's answer
+                fut._finish(value, None)
+                return fut
+            if cell.waiters is not None and rt.creation.park(cell, rref, fut, t):
+                return fut  # released by the creation's first answer
+        self.send_fetch(rref, fut, t)
+        return fut
+
+    def send_fetch(self, rref: RRef[Any], fut: Future[Any], t: float, flush: bool = True) -> None:
+        """Send a FETCH for ``rref`` that completes ``fut``. ``flush=False`` on the transport
+        thread (a parked to_here() released by its creation's answer): no drops sent there."""
+        rt = self.rt
+        rec = rref._user_rec
+        assert rec is not None
         forget = None
         if not rec.confirmed:  # fails at once if the creation turns out lost
             rt.creation.add_fetch(rec.fork_id, fut)
             forget = lambda: rt.creation.forget_fetch(rec.fork_id, fut)  # noqa: E731
         msg = Fetch(rec.owner, rec.rref_id, rec.fork_id)
-        self.send_request(msg, [], t, fut, lambda: f"to_here() of {rref!r}", [], lambda: repr(rref), forget)
-        return fut
+        self.send_request(msg, [], t, fut, lambda: f"to_here() of {rref!r}", [], lambda: repr(rref), forget, flush)
+
+    def fetch_error(self, rref: RRef[Any], err: BaseException) -> BaseException:
+        """The error of a to_here() of ``rref`` that failed with transport error ``err``."""
+        return translate(err, f"to_here() of {rref!r}", repr(rref))
 
     def owner_value(self, rec: OwnerRecord, timeout: float) -> Any:
         rt = self.rt
@@ -170,11 +196,13 @@ class Caller:
     def send_request(
         self, msg: PythonCall | Fetch, frames: Any, timeout: float, fut: Future[Any], what: Callable[[], str],
         forks: list[Any], owner_of: Callable[[], str] | None = None, before: Callable[[], None] | None = None,
+        flush: bool = True,
     ) -> None:
         """``what`` / ``owner_of``: the texts of an error, built only if one happens.
-        ``before``: run on the answer (or failure), before the future completes."""
+        ``before``: run on the answer (or failure), before the future completes.
+        ``flush``: send the deletes of dropped RRefs first (not on the transport thread)."""
         rt, dest = self.rt, msg.dest
-        if rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
+        if flush and rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
             self.flush_drops()
 
         def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:  # transport thread

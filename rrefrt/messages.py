@@ -24,13 +24,19 @@ header passed validation (``decode``), which is the only place meta is parsed.
     UserDelete     RREF_USER_DELETE   21    user   -> owner        [rref_id, fork_id]               -
     UserDeletes    RREF_USER_DELETES  23    user   -> owner        [[rref_id, fork_id], ...]        -
                    several UserDelete in one message (NOTE [Drops] in rrefrt/control.py)
-    RemoteRet      REMOTE_RET         22    owner  -> caller       [rref_id, status]                error if status ERROR
+    RemoteRet      REMOTE_RET         22    owner  -> caller       [rref_id, status(, value)]       error if status ERROR
 
-    response meta: [status, forks] or, answering PYTHON_REMOTE, [status, forks, done]
+    response meta: [status, forks] or, answering PYTHON_REMOTE, [status, forks, done(, value)]
         status   OK=0 / ERROR=1; the payload is the value, or the pickled error
         forks    fork data of the RRefs inside the payload (``ForkData.to_wire``)
         done     PYTHON_REMOTE only: 1 = the value (or error) exists and this answer is its
                  result (no REMOTE_RET follows); 0 = accepted only, REMOTE_RET follows
+        value    PYTHON_REMOTE done with OK, and REMOTE_RET with OK, optionally: the created
+                 value itself when it is plain and immutable (``INLINE_TYPES``: None, bool,
+                 int, float, str, bytes, as msgpack carries them), so the creator's
+                 ``to_here()`` needs no fetch (NOTE [Inline creation values] in
+                 rrefrt/creation.py). Absent: the creator fetches. A peer of an older
+                 version rejects the longer meta (no mixed versions in one group).
 
 A message ``dest`` is the worker it goes to; a decoded message has ``dest`` = the receiver.
 """
@@ -43,6 +49,45 @@ from typing import Any, ClassVar
 from .ids import ForkId, RRefId
 
 OK, ERROR = 0, 1
+
+#: the types of a value that may ride in a creation's answer meta (exactly these: msgpack
+#: gives back these types, never a subclass; see ``value`` in the docstring)
+INLINE_TYPES = (type(None), bool, int, float, str, bytes)
+
+
+#: the largest str (in UTF-8) or bytes value that rides in a creation's answer meta
+INLINE_VALUE_BYTES = 64 * 1024
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1  # what msgpack can carry
+
+
+def inline_value(value: Any) -> tuple[Any, ...]:
+    """``(value,)`` if ``value`` may ride in a creation's answer meta: of a type in
+    ``INLINE_TYPES`` exactly (a subclass may carry state, and msgpack would return the base
+    type), an int msgpack can carry, a str/bytes of at most ``INLINE_VALUE_BYTES`` (a str
+    must encode as UTF-8: no lone surrogates); else ``()``. Such a value is immutable and
+    holds no RRef or tensor, so the creator may keep it (NOTE [Inline creation values])."""
+    t = type(value)
+    if value is None or t is bool or t is float:
+        return (value,)
+    if t is int:
+        return (value,) if _INT_MIN <= value <= _INT_MAX else ()
+    if t is bytes:
+        return (value,) if len(value) <= INLINE_VALUE_BYTES else ()
+    if t is str and len(value) <= INLINE_VALUE_BYTES:
+        if value.isascii():
+            return (value,)
+        try:
+            return (value,) if len(value.encode("utf-8")) <= INLINE_VALUE_BYTES else ()
+        except UnicodeEncodeError:
+            return ()
+    return ()
+
+
+def _inline(raw: Any) -> tuple[Any, ...]:
+    """The optional value of a creation's answer, as a 1-tuple (validated)."""
+    if type(raw) not in INLINE_TYPES:
+        raise ValueError(f"an inline value must be plain, got {type(raw).__name__}")
+    return (raw,)
 
 
 class MalformedMessage(ValueError):
@@ -222,16 +267,23 @@ class RemoteRet:
     status: int
     #: the pickled error when status is ERROR (payload frames, not meta)
     payload: tuple = field(default=(), compare=False, repr=False)
+    #: ``(value,)``: the plain value itself (status OK only; NOTE [Inline creation values])
+    inline: tuple = field(default=(), compare=False, repr=False)
 
     def meta(self) -> list[Any]:
+        if self.inline:
+            return [self.rref_id.to_wire(), self.status, self.inline[0]]
         return [self.rref_id.to_wire(), self.status]
 
     @classmethod
     def decode(cls, dest: int, meta: list) -> "RemoteRet":
-        rid, status = meta
+        if len(meta) not in (2, 3):
+            raise ValueError("REMOTE_RET meta must be [rref_id, status] or [rref_id, status, value]")
+        rid, status = meta[0], meta[1]
         if status not in (OK, ERROR) or type(status) is not int:
             raise ValueError("status must be OK or ERROR")
-        return cls(dest, _rid(rid), status)
+        inline = _inline(meta[2]) if len(meta) == 3 and status == OK else ()
+        return cls(dest, _rid(rid), status, (), inline)
 
 
 Message = PythonCall | RemoteRequest | Fetch | ForkRequest | ChildAccept | UserDelete | UserDeletes | RemoteRet
@@ -269,22 +321,31 @@ class Response:
     status: int
     forks: tuple[ForkData, ...] = ()
     done: bool = False
+    #: answering PYTHON_REMOTE, done and OK: ``(value,)`` when the plain value rides in the
+    #: meta (NOTE [Inline creation values] in rrefrt/creation.py); else ``()``
+    inline: tuple = ()
 
     def meta(self, with_done: bool = False) -> list[Any]:
         out: list[Any] = [self.status, [f.to_wire() for f in self.forks]]
         if with_done:
             out.append(1 if self.done else 0)
+            if self.inline:
+                out.append(self.inline[0])
         return out
 
     @classmethod
     def decode(cls, meta: Any) -> "Response":
         try:
-            if type(meta) is not list or len(meta) not in (2, 3):
-                raise ValueError("response meta must be [status, forks] or [status, forks, done]")
+            if type(meta) is not list or not 2 <= len(meta) <= 4:
+                raise ValueError("response meta must be [status, forks], [status, forks, done] or [status, forks, done, value]")
             status = meta[0]
             if type(status) is not int or status not in (OK, ERROR):
                 raise ValueError(f"bad status {status!r}")
-            return cls(status, _forks(meta[1]), bool(meta[2]) if len(meta) == 3 else False)
+            if len(meta) == 2:
+                return cls(status, _forks(meta[1]))
+            done = bool(meta[2])
+            inline = _inline(meta[3]) if len(meta) == 4 and done and status == OK else ()
+            return cls(status, _forks(meta[1]), done, inline)
         except (ValueError, TypeError) as e:
             raise MalformedMessage(f"malformed response: {e}") from None
 

@@ -45,7 +45,7 @@ class RRef(Generic[T]):
     """A reference to a value that lives on one worker (its owner)."""
 
     _rrefrt_is_rref = True
-    __slots__ = ("_rt", "_owner_rec", "_user_rec", "_pid", "_type_fut", "_creation_fut", "__weakref__")
+    __slots__ = ("_rt", "_owner_rec", "_user_rec", "_pid", "_type_fut", "_creation_fut", "_creation", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
         rt = state.current()
@@ -68,6 +68,8 @@ class RRef(Generic[T]):
         self = cls.__new__(cls)
         self._rt, self._pid, self._owner_rec, self._user_rec = rt, rt.pid, None, rec
         self._type_fut = self._creation_fut = None
+        #: creation.Creation of a remote() made here (its answer, a plain value), else None
+        self._creation = None
         return self
 
     # ------------------------------------------------------------------ identity

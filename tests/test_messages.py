@@ -110,6 +110,9 @@ def test_responses() -> None:
     assert Response.decode([ERROR, [], 1]) == Response(ERROR, (), True)
     assert Response.decode([OK, [FORK.to_wire()], 0]).forks == (FORK,)
     assert Response(OK, (FORK,), True).meta(True) == [OK, [FORK.to_wire()], 1]
-    for meta in (None, [], [OK], [7, []], ["0", []], [OK, "x"], [OK, [], 1, 2], [OK, [["bad"]]]):
+    assert Response.decode([OK, [], 1, 2]) == Response(OK, (), True, (2,))  # an inline value
+    assert Response(OK, (), True, (b"x",)).meta(True) == [OK, [], 1, b"x"]
+    for meta in (None, [], [OK], [7, []], ["0", []], [OK, "x"], [OK, [], 1, 2, 3], [OK, [], 1, [2]],
+                 [OK, [["bad"]]]):
         with pytest.raises(MalformedMessage):
             Response.decode(meta)

@@ -253,8 +253,9 @@ def test_duplicate_creation_runs_once_and_is_answered_at_once(group: Group) -> N
         poll_for(lambda: len(answers) == n, 5, lambda: f"answers {answers}")
     assert CALLS == [1]
     assert w1.stats["duplicate_calls_dropped"] == 1
-    # the quick creation: accepted and done in one answer; the retry: done, from the record
-    assert answers == [Response(0, (), True), Response(0, (), True)], answers
+    # the quick creation: accepted and done in one answer; the retry: done, from the record;
+    # both carry the plain value (None) itself (NOTE [Inline creation values])
+    assert answers == [Response(0, (), True, (None,)), Response(0, (), True, (None,))], answers
     assert not w1.creation.accepts
 
 
