@@ -209,6 +209,15 @@ class _Drops(collections.deque):
 
 #: NOTE [Drops]: how long a thread waits for another thread's flush before sending anyway
 FLUSH_WAIT = 2.0
+#: NOTE [Drops]: the most a drop waits for the control thread once it is awake (its
+#: deletes usually leave sooner, with the program's next call)
+DROP_DELAY = 0.02
+#: the control thread's wait when it has nothing to do (it re-checks ``_stop``)
+IDLE_WAIT = 0.5
+
+
+#: NOTE [Release home]: values whose release runs no user code (exact types, not subclasses)
+_NO_DESTRUCTOR = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
 def _ignore_ack(err: Any) -> None:
@@ -225,6 +234,9 @@ class ControlLoop:
         #: a FlushDrops is in the queue and has not started (NOTE [Drops]: one wake-up for
         #: many drops)
         self._flush_queued = False
+        #: the control thread flushes drops every ``DROP_DELAY`` rather than being woken per
+        #: drop (NOTE [Drops], "one wake-up per burst")
+        self._batching = False
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-{rt.info.name}-control", daemon=True)
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -237,7 +249,7 @@ class ControlLoop:
             CreationSettled: lambda item: self._perform(self.rt.ctx.on_remote_ret(item.fork_id, item.error)),
             CreationLost: lambda item: self.rt.creation.on_lost(item.fork_id, item.dest),
             PeerDied: lambda item: self._perform(self.rt.ctx.on_peer_dead(item.peer)),
-            Sync: lambda item: item.event.set(),
+            Sync: self._on_sync,
         }
 
     # ------------------------------------------------------------------ any thread
@@ -259,7 +271,7 @@ class ControlLoop:
         this append; if it reads False, this drop queues one itself (two threads may both
         queue one: a spare flush finds the deque empty)."""
         self.drops.append(fork_id)
-        if not self._flush_queued:
+        if not self._flush_queued and not self._batching:
             self._flush_queued = True
             self.queue.put(_FLUSH)
 
@@ -267,7 +279,8 @@ class ControlLoop:
         """Apply the drops remembered so far and send their deletes, on this thread (which
         holds no lock).
 
-        NOTE [Drops]: the control thread applies them when it wakes, and so does every
+        NOTE [Drops]: the control thread applies them (at most ``DROP_DELAY`` after the
+        first drop woke it; drops that come while it batches wake nothing), and so does every
         thread about to send a call or a creation (``Caller``), so that the deletes of the
         RRefs a program dropped leave before its next message: on one connection they then
         reach the owner first, as torch's do (its deletes leave from the destructor). The
@@ -299,8 +312,26 @@ class ControlLoop:
             self._flush_lock.release()
 
     def _on_flush(self, item: FlushDrops) -> None:
-        self._flush_queued = False  # before draining: see ``drop``
-        self.flush_drops()
+        """A drop woke this thread: flush ``DROP_DELAY`` from now (``_run``), not at once, so
+        that the drops of a burst - or of a loop that drops one RRef per call - share one
+        wake-up, and most of them leave with the program's next call anyway."""
+        self._flush_queued = False
+        self._batching = True  # before ``_flush_queued`` is read again: see ``drop``
+
+    def _on_sync(self, item: Sync) -> None:
+        self.flush_drops()  # "everything enqueued so far" includes the drops
+        item.event.set()
+
+    def _batch_tick(self) -> None:
+        """``DROP_DELAY`` passed with nothing else to do: flush what is left; stop batching
+        once a tick finds nothing. No drop is left behind: ``_batching`` is cleared before
+        the deque is read again, and a drop that read it true was appended before."""
+        if self.drops:
+            self.flush_drops()
+            return
+        self._batching = False
+        if self.drops:  # a drop that saw ``_batching`` true just before it was cleared
+            self._batching = True
 
     def on_control_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -330,8 +361,10 @@ class ControlLoop:
         q = self.queue
         while not self._stop:
             try:
-                item = q.get(timeout=0.5)
+                item = q.get(timeout=DROP_DELAY if self._batching else IDLE_WAIT)
             except queue.Empty:
+                if self._batching:
+                    self._batch_tick()
                 continue
             try:
                 self._handlers[type(item)](item)
@@ -388,7 +421,8 @@ class ControlLoop:
         the callback pool in a one-element box that the pool empties; the control thread
         keeps only the box, so the record's last reference goes on the pool. The Releases
         of one list share one box (one pool task however many values a batch of deletes
-        frees)."""
+        frees). A box whose values are all of built-in types with no destructor to run
+        (``_NO_DESTRUCTOR``: an int, a short str) and no error is freed here instead."""
         box: list[Any] = []
         for i in range(len(actions)):
             a = actions[i]
@@ -412,6 +446,8 @@ class ControlLoop:
             except RuntimeError as e:  # a stopped pool at close
                 log.debug("action %r dropped: %s", a, e)
             del a
+        if box and all(type(r.value) in _NO_DESTRUCTOR and r.error is None for r in box):
+            box.clear()  # nothing user-defined can run: freed here, no pool task (NOTE [Release home])
         if box:
             try:
                 self.rt.callbacks.submit(box.clear)

@@ -542,3 +542,59 @@ def test_inproc_transport_is_a_transport_and_calls_back_on_the_hub_thread() -> N
         assert a.dead_peers() == {1} and not a.is_alive(1)
     finally:
         hub.close()
+
+
+def make_list(n: int) -> list[int]:
+    return list(range(n))
+
+
+def test_drops_spread_over_time_share_wake_ups_and_all_leave(group: Group) -> None:
+    """NOTE [Drops]: a program that drops one RRef now and then (a loop of
+    ``remote().to_here()``) woke the control thread once per drop. Now the first drop wakes
+    it and it flushes every ``DROP_DELAY`` while drops keep coming; the deletes still all
+    reach the owner with no further call from the dropping worker."""
+    from rrefrt.control import FlushDrops
+
+    w0, w1 = group.rts[0], group.rts[1]
+    wakes: list[int] = []
+    on_flush = w0.control._handlers[FlushDrops]
+    w0.control._handlers[FlushDrops] = lambda item: (wakes.append(1), on_flush(item))
+    with group.as_worker(0):
+        base = rrefrt.rpc_sync("w1", owned_here)
+        refs = [rrefrt.remote("w1", add, args=(i, i)) for i in range(100)]
+        for r in refs:
+            poll_for(r.confirmed_by_owner, 5)
+        del r
+        for _ in range(100):
+            refs.pop()  # one drop ...
+            time.sleep(0.001)  # ... now and then (shapes the load; nothing waits on it)
+    poll_for(lambda: len(w1.ctx.owners) == base, 5, lambda: f"w1 owns {len(w1.ctx.owners)}, base {base}")
+    print(f"\n100 drops 1 ms apart woke w0's control thread {len(wakes)} time(s)")
+    assert len(wakes) < 50  # one per drop before
+
+
+def test_values_with_no_destructor_are_freed_without_a_pool_task(group: Group, monkeypatch: Any) -> None:
+    """NOTE [Release home]: freeing an int or a short str runs no user code, so the owner
+    frees it on the thread that handled the delete; a value that may run user code (a list
+    of objects, anything else) still goes to the callback pool."""
+    w1 = group.rts[1]
+    tasks: list[str] = []
+    submit = w1.callbacks.submit
+    monkeypatch.setattr(w1.callbacks, "submit", lambda fn, *a, **k: (tasks.append(getattr(fn, "__name__", "")), submit(fn, *a, **k))[1])
+    with group.as_worker(0):
+        base = rrefrt.rpc_sync("w1", owned_here)
+        ints = [rrefrt.remote("w1", add, args=(i, 1)) for i in range(20)]
+        assert [r.to_here() for r in ints] == [i + 1 for i in range(20)]
+        tasks.clear()
+        del ints
+        rrefrt.rpc_sync("w1", owned_here)  # the deletes leave before this call
+    poll_for(lambda: len(w1.ctx.owners) == base, 5)
+    assert "clear" not in tasks, tasks
+    with group.as_worker(0):
+        lst = rrefrt.remote("w1", make_list, args=(3,))
+        assert lst.to_here() == [0, 1, 2]
+        tasks.clear()
+        del lst
+        rrefrt.rpc_sync("w1", owned_here)
+    poll_for(lambda: len(w1.ctx.owners) == base, 5)
+    poll_for(lambda: "clear" in tasks, 5, lambda: f"pool tasks: {tasks}")
