@@ -215,6 +215,8 @@ class Loop:
             if p is None:
                 self.stats["late_responses_dropped"] += 1
                 return
+            if p.bucket:
+                self._disarm(p, msg_id)
             try:
                 p.finish(meta, frames, None)
             except Exception:
