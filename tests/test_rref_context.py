@@ -62,6 +62,7 @@ ZERO_COUNTS = {
     "num_pending_children": 0,
     "num_confirmed_users": 0,
     "num_deleting_users": 0,
+    "num_unregistered_users": 0,
 }
 
 
