@@ -51,7 +51,10 @@ def test_lost_control_messages_are_retried(plans):
     plans("w2", faults.Rule("RREF_FORK_REQUEST", "drop", first=2), faults.Rule("RREF_CHILD_ACCEPT", "drop", first=1))
     plans("w0", faults.Rule("RREF_USER_DELETE", "drop", first=1))
     rref = rrefrt.remote("w1", fns.identity, args=(5,))
-    assert rrefrt.rpc_sync("w2", fns.rref_value, args=(rref,)) == 5
+    # confirmed_by_owner() registers the received fork (NOTE [Lazy registration]): w2 sends
+    # its fork request (lost twice) and, once acknowledged, its child accept (lost once)
+    confirmed, value, _ = rrefrt.rpc_sync("w2", fns.confirmed_then_value, args=(rref,))
+    assert confirmed is True and value == 5
     del rref
     drained("w1")
     hits = rrefrt.rpc_sync("w2", faults.stats)
