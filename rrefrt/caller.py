@@ -315,7 +315,6 @@ class Caller:
         if died and self.rt.control.drops:
             self.rt.control.flush_drops()
 
-
     @staticmethod
     def unregistered(rrefs: Sequence[RRef[Any]]) -> list["weakref.ref[RRef[Any]]"]:
         """Weak references to the RRefs among ``rrefs`` whose fork is not registered yet."""
