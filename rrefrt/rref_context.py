@@ -222,14 +222,21 @@ class RRefContext(ContextAudit):
                 self._changed.notify_all()
 
     def on_child_accept(self, fork_id: ForkId) -> list[Action]:
+        return self.on_child_accepts((fork_id,))
+
+    def on_child_accepts(self, fork_ids: Any) -> list[Action]:
+        """RREF_CHILD_ACCEPT(S): these children accepted; one lock for all of them."""
+        actions: list[Action] = []
         with self._lock:
-            entry = self.pending_children.pop(fork_id, None)
-            if entry is None:
-                return []
-            parent, _ = entry
-            parent.children -= 1
-            self._changed.notify_all()
-            return self._maybe_delete(parent)
+            for fork_id in fork_ids:
+                entry = self.pending_children.pop(fork_id, None)
+                if entry is None:
+                    continue
+                parent, _ = entry
+                parent.children -= 1
+                self._changed.notify_all()
+                actions += self._maybe_delete(parent)
+        return actions
 
     # ------------------------------------------------------------------ forks in messages
     def fork_owned(self, record: OwnerRecord, dest: int) -> ForkData:

@@ -1050,3 +1050,21 @@ def test_lazy_registration_of_a_fork_received_in_a_call() -> None:
     assert d.on_peer_dead(1) == [] and isinstance(rec.error, OwnerDiedError)  # the owner died
     assert d.counts() == ZERO_COUNTS and d.user_dropped(rec.fork_id) == []
     d.validate()
+
+
+def test_child_accepts_to_one_parent_are_batched() -> None:
+    """NOTE [Lazy registration]: the accepts of drops flushed together leave as one
+    RREF_CHILD_ACCEPTS per parent (a lone one stays a RREF_CHILD_ACCEPT), in place."""
+    from rrefrt.control import _batch_deletes
+    from rrefrt.messages import ChildAccepts
+
+    f = [ForkId(0, i) for i in range(4)]
+    got = _batch_deletes([ChildAccept(0, f[0]), UserDelete(1, RRefId(1, 1), f[3]), ChildAccept(2, f[1]),
+                          ChildAccept(0, f[2])])
+    assert got == [ChildAccepts(0, (f[0], f[2])), UserDelete(1, RRefId(1, 1), f[3]), ChildAccept(2, f[1])]
+    a = new_ctx(0)
+    parent, _ = _make_confirmed_user(a, new_ctx(1))
+    kids = [a.fork_user(parent, 2) for _ in range(3)]
+    assert a.on_child_accepts([k.fork_id for k in kids] + [kids[0].fork_id]) == []
+    assert parent.children == 0 and a.counts()["num_pending_children"] == 0
+    a.validate()
