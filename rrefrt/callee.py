@@ -72,7 +72,7 @@ class Callee:
     def _start(self, src: int, msg: PythonCall | RemoteRequest, msg_id: int, frames: Sequence[Any],
                rec: OwnerRecord | None) -> None:
         rt = self.rt
-        rrefs = rt.caller.rrefs_from_forks(msg.forks, src)
+        rrefs = rt.caller.rrefs_from_forks(msg.forks, src, lazy=isinstance(msg, PythonCall))
         if not rt.accepting:
             err = ShutdownError(f"worker {rt.info.name!r} is shutting down and accepts no new calls")
             self.finish(src, msg, msg_id, rec, None, err)
@@ -106,6 +106,24 @@ class Callee:
         #: current, on a pooled stream that waits for the arriving tensors; its result's
         #: tensors are recorded so the caller never sees unfinished values (NO_SCOPE without CUDA)
         scope = rt.devices.scope() if rt.devices is not None else NO_SCOPE
+        lazy = rt.caller.unregistered(rrefs) if isinstance(msg, PythonCall) else []
+        # handed over, emptied: neither this frame nor the pool's task keeps the RRefs alive
+        call = [frames, list(rrefs)]
+        rrefs.clear()
+        del frames, rrefs
+        try:
+            self._run_call(src, msg, msg_id, call, rec, scope)
+        finally:
+            # NOTE [Lazy registration] in docs/protocol.md: the call's frames have returned;
+            # a received fork whose RRef object survives them registers now
+            if lazy:
+                rt.caller.register_survivors(lazy)
+
+    def _run_call(self, src: int, msg: Any, msg_id: int, call: list[Any], rec: OwnerRecord | None,
+                  scope: Any) -> None:
+        rt = self.rt
+        frames, rrefs = call
+        call.clear()
 
         def done(value: Any, exc: BaseException | None) -> None:
             try:

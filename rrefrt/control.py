@@ -14,11 +14,11 @@ Rule 2: the control thread never waits except on its own queue (bounded ``get``)
 Home threads (each action or item kind runs on exactly one kind of thread):
 
     what                                 home            why there
-    ForkRequest / ChildAccept /          any (no lock)   protocol sends; retried from the
+    ForkRequest / ChildAccept(s)/        any (no lock)   protocol sends; retried from the
       UserDelete / RemoteRet (send)                       control thread
     Retry (an ack timed out)             control         NOTE [Retries]
     Incoming Fetch / ForkRequest /       its reader      protocol state (RRef context);
-      ChildAccept / UserDelete                           NOTE [Inline protocol]
+      ChildAccept(s) / UserDelete(s)                      NOTE [Inline protocol]
     Dropped / FlushDrops (an RRef's      control, or a   G1 bookkeeping; NOTE [Drops]
       __del__)                           caller's thread
     Acked (final ack of a request)       transport       context update, sends (inline)
@@ -72,6 +72,7 @@ from .pool import current_pool
 from .messages import (
     Action,
     ChildAccept,
+    ChildAccepts,
     Fetch,
     ForkRequest,
     Message,
@@ -172,8 +173,11 @@ DELETES_PER_MESSAGE = 512
 
 
 def _batch_deletes(actions: list[Action]) -> list[Action]:
-    """The UserDelete actions to one owner become one UserDeletes, at the place of the
-    first (the list is returned as it is unless some owner gets several)."""
+    """The UserDelete actions to one owner become one UserDeletes, and the ChildAccept
+    actions to one parent one ChildAccepts, at the place of the first (the list is returned
+    as it is unless some owner or parent gets several)."""
+    if sum(type(a) is ChildAccept for a in actions) >= 2:
+        actions = _batch_accepts(actions)
     if sum(isinstance(a, UserDelete) for a in actions) < 2:
         return actions
     by_owner: dict[int, list[UserDelete]] = {}
@@ -191,6 +195,28 @@ def _batch_deletes(actions: list[Action]) -> list[Action]:
         for i in range(0, len(dels), DELETES_PER_MESSAGE):
             chunk = dels[i : i + DELETES_PER_MESSAGE]
             out.append(chunk[0] if len(chunk) == 1 else UserDeletes(a.dest, tuple((d.rref_id, d.fork_id) for d in chunk)))
+    actions.clear()
+    return out
+
+
+def _batch_accepts(actions: list[Action]) -> list[Action]:
+    """NOTE [Lazy registration] in docs/protocol.md: the ChildAccept actions to one parent
+    (the drops of a burst of call arguments) become one ChildAccepts."""
+    by_parent: dict[int, list[ChildAccept]] = {}
+    for a in actions:
+        if type(a) is ChildAccept:
+            by_parent.setdefault(a.dest, []).append(a)
+    out: list[Action] = []
+    for a in actions:
+        if type(a) is not ChildAccept:
+            out.append(a)
+            continue
+        accs = by_parent.pop(a.dest, None)
+        if accs is None:
+            continue  # batched with the first accept to its parent
+        for i in range(0, len(accs), DELETES_PER_MESSAGE):
+            chunk = accs[i : i + DELETES_PER_MESSAGE]
+            out.append(chunk[0] if len(chunk) == 1 else ChildAccepts(a.dest, tuple(c.fork_id for c in chunk)))
     actions.clear()
     return out
 
@@ -389,6 +415,8 @@ class ControlLoop:
             actions: list[Action] = []
         elif isinstance(msg, ChildAccept):
             actions = ctx.on_child_accept(msg.fork_id)
+        elif isinstance(msg, ChildAccepts):
+            actions = ctx.on_child_accepts(msg.fork_ids)
         elif isinstance(msg, UserDelete):
             actions = ctx.on_user_delete(msg.rref_id, msg.fork_id)
         elif isinstance(msg, UserDeletes):
@@ -434,7 +462,7 @@ class ControlLoop:
                     box.append(a.record)
                 elif isinstance(a, (ForkRequest, UserDelete, UserDeletes)):
                     self.request(a, lambda e, m=a: self._on_acked(Acked(m, e)))
-                elif isinstance(a, (ChildAccept, RemoteRet)):
+                elif isinstance(a, (ChildAccept, ChildAccepts, RemoteRet)):
                     self.request(a, _ignore_ack, a.payload if isinstance(a, RemoteRet) else ())
                 elif isinstance(a, ServeFetch):
                     if current_pool() is not None:  # a pool thread (set_value): user code may run here

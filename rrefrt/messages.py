@@ -24,6 +24,9 @@ header passed validation (``decode``), which is the only place meta is parsed.
     UserDelete     RREF_USER_DELETE   21    user   -> owner        [rref_id, fork_id]               -
     UserDeletes    RREF_USER_DELETES  23    user   -> owner        [[rref_id, fork_id], ...]        -
                    several UserDelete in one message (NOTE [Drops] in rrefrt/control.py)
+    ChildAccepts   RREF_CHILD_ACCEPTS 24    child  -> parent       [fork_id, ...]                   -
+                   several ChildAccept in one message (NOTE [Lazy registration] in
+                   docs/protocol.md: the accepts of dropped call arguments)
     RemoteRet      REMOTE_RET         22    owner  -> caller       [rref_id, status(, value)]       error if status ERROR
 
     response meta: [status, forks] or, answering PYTHON_REMOTE, [status, forks, done(, value)]
@@ -256,6 +259,27 @@ class UserDeletes:
 
 
 @dataclass(frozen=True, slots=True)
+class ChildAccepts:
+    """Several ``ChildAccept`` to one parent in one message (the accepts of unregistered
+    forks dropped together: NOTE [Lazy registration] in docs/protocol.md). Handled and
+    acknowledged as a whole."""
+
+    KIND: ClassVar[int] = 24
+    NAME: ClassVar[str] = "RREF_CHILD_ACCEPTS"
+    dest: int  # the parent
+    fork_ids: tuple  #: (fork_id, ...)
+
+    def meta(self) -> list[Any]:
+        return [[*fid] for fid in self.fork_ids]  # ids are (worker, n) tuples
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "ChildAccepts":
+        if not meta:
+            raise ValueError("no accepts")
+        return cls(dest, tuple(ForkId.from_wire(fid) for fid in meta))
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteRet:
     """The owner's result of a remote() whose answer was not ``done`` (an accept only).
     ``rref_id`` is also the creator's fork id."""
@@ -286,18 +310,19 @@ class RemoteRet:
         return cls(dest, _rid(rid), status, (), inline)
 
 
-Message = PythonCall | RemoteRequest | Fetch | ForkRequest | ChildAccept | UserDelete | UserDeletes | RemoteRet
+Message = (PythonCall | RemoteRequest | Fetch | ForkRequest | ChildAccept | ChildAccepts | UserDelete | UserDeletes
+           | RemoteRet)
 
 #: the message table: wire kind -> class (docstring above); the runtime's handler table
 #: (rrefrt/runtime.py, ``Runtime.HANDLERS``) sits beside it, one entry per class
 MESSAGES: dict[int, type] = {
     cls.KIND: cls
-    for cls in (PythonCall, RemoteRequest, Fetch, ForkRequest, ChildAccept, UserDelete, UserDeletes, RemoteRet)
+    for cls in (PythonCall, RemoteRequest, Fetch, ForkRequest, ChildAccept, ChildAccepts, UserDelete, UserDeletes, RemoteRet)
 }
 #: kind -> label, for the transport's fault hook and logs
 KIND_NAMES: dict[int, str] = {kind: cls.NAME for kind, cls in MESSAGES.items()}
 #: messages the control thread handles (the RRef protocol); the others run user code
-CONTROL_MESSAGES = (Fetch, ForkRequest, ChildAccept, UserDelete, UserDeletes, RemoteRet)
+CONTROL_MESSAGES = (Fetch, ForkRequest, ChildAccept, ChildAccepts, UserDelete, UserDeletes, RemoteRet)
 
 
 def decode(kind: int, meta: Any, dest: int) -> Message:

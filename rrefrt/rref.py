@@ -105,6 +105,8 @@ class RRef(Generic[T]):
         if not rec.confirmed and rec.fork_id != rec.rref_id and rec.error is None and self._pid == os.getpid():
             rt = self._rt
             if not rt.closed:
+                if not rec.registered:  # NOTE [Lazy registration] in docs/protocol.md
+                    rt.control.perform(rt.ctx.register_users([rec]))
                 wait_received_confirmed([self], time.monotonic() + rt.options.rpc_timeout)
         return rec.confirmed
 

@@ -59,6 +59,7 @@ class ContextAudit:
                 "num_pending_children": len(self.pending_children),
                 "num_confirmed_users": len(self.confirmed_users),
                 "num_deleting_users": len(self.deleting_users),
+                "num_unregistered_users": sum(not r.registered for r in self.pending_users.values()),
             }
 
     # ------------------------------------------------------------------ invariants
@@ -79,11 +80,15 @@ class ContextAudit:
                     assert not (a.keys() & b.keys()), "a user fork is in two user maps"
             for fid, rec in self.pending_users.items():
                 assert not rec.confirmed and rec.fork_id == fid
+                if not rec.registered:  # NOTE [Lazy registration]: covered by its parent
+                    assert rec.parent != rec.owner, f"unregistered fork {fid} has no user parent"
+                    assert rec.parent not in self.dead and rec.owner not in self.dead, f"unregistered fork {fid} lost its cover (G3)"
+                    assert rec.alive or rec.children > 0, f"dropped unregistered fork {fid} kept without children"
             for fid, rec in self.confirmed_users.items():
-                assert rec.confirmed and rec.fork_id == fid
+                assert rec.confirmed and rec.registered and rec.fork_id == fid
                 assert rec.alive or rec.children > 0, f"dropped user {fid} kept without children"
             for fid, rec in self.deleting_users.items():
-                assert rec.confirmed and not rec.alive and rec.children == 0, f"early delete of {fid} (G1)"
+                assert rec.confirmed and rec.registered and not rec.alive and rec.children == 0, f"early delete of {fid} (G1)"
             count: dict[int, int] = {}
             for fid, (parent, _) in self.pending_children.items():
                 count[id(parent)] = count.get(id(parent), 0) + 1

@@ -10,7 +10,9 @@ Rule 1: never send, wait or run a destructor while holding ``_lock``. Values lea
         ``Release`` actions so their destructors run in the caller, outside the lock.
 Rule 2: G1 - a user sends RREF_USER_DELETE only once its fork is confirmed by the owner and
         no child it forked is still unconfirmed (the parent's fork keeps the owner's value
-        alive while the child's fork request is in flight).
+        alive while the child's fork request is in flight). A fork received in a call's
+        arguments and dropped within the call never registers, so never deletes: it is
+        accepted (RREF_CHILD_ACCEPT to its parent) instead (NOTE [Lazy registration]).
 Rule 3: G2 - the owner drops an OwnerRecord only when no fork references it; forks sent by
         the owner are registered before the message leaves (early fork registration), forks
         sent by a user stay covered by the parent's own fork until the child accepts.
@@ -151,8 +153,23 @@ class RRefContext(ContextAudit):
             if rec is None:
                 return []
             actions = self._confirm(rec)
-            actions.insert(0, ChildAccept(rec.parent, fork_id))
+            if rec.parent not in self.dead:
+                actions.insert(0, ChildAccept(rec.parent, fork_id))
             return actions
+
+    def register_users(self, recs: Any) -> list[Action]:
+        """NOTE [Lazy registration]: these unregistered forks outlive the call that brought
+        them (or their user asks ``confirmed_by_owner()``): send their fork requests now;
+        the protocol then goes on as for any pending user (ack -> confirmed -> child
+        accept). Forks already registered, dropped or failed are skipped."""
+        with self._lock:
+            return [a for rec in recs for a in self._register(rec)]
+
+    def _register(self, rec: UserRecord) -> list[Action]:
+        if rec.registered or self.pending_users.get(rec.fork_id) is not rec or rec.owner in self.dead:
+            return []
+        rec.registered = True
+        return [ForkRequest(rec.owner, rec.rref_id, rec.fork_id, rec.parent)]
 
     def _confirm(self, rec: UserRecord) -> list[Action]:
         del self.pending_users[rec.fork_id]
@@ -162,7 +179,14 @@ class RRefContext(ContextAudit):
         return self._maybe_delete(rec)
 
     def _maybe_delete(self, rec: UserRecord) -> list[Action]:
-        """G1: delete once the Python object is gone, confirmed, and no child pending."""
+        """G1: delete once the Python object is gone, confirmed, and no child pending. An
+        unregistered fork (NOTE [Lazy registration]) is accepted instead: the owner never
+        counted it, so only its parent hears of it."""
+        if not rec.registered:
+            if rec.alive or rec.children or self.pending_users.pop(rec.fork_id, None) is None:
+                return []
+            self._changed.notify_all()
+            return [] if rec.parent in self.dead else [ChildAccept(rec.parent, rec.fork_id)]
         if rec.alive or not rec.confirmed or rec.children or rec.fork_id not in self.confirmed_users:
             return []
         del self.confirmed_users[rec.fork_id]  # no waiter's condition changes: no notify
@@ -198,14 +222,21 @@ class RRefContext(ContextAudit):
                 self._changed.notify_all()
 
     def on_child_accept(self, fork_id: ForkId) -> list[Action]:
+        return self.on_child_accepts((fork_id,))
+
+    def on_child_accepts(self, fork_ids: Any) -> list[Action]:
+        """RREF_CHILD_ACCEPT(S): these children accepted; one lock for all of them."""
+        actions: list[Action] = []
         with self._lock:
-            entry = self.pending_children.pop(fork_id, None)
-            if entry is None:
-                return []
-            parent, _ = entry
-            parent.children -= 1
-            self._changed.notify_all()
-            return self._maybe_delete(parent)
+            for fork_id in fork_ids:
+                entry = self.pending_children.pop(fork_id, None)
+                if entry is None:
+                    continue
+                parent, _ = entry
+                parent.children -= 1
+                self._changed.notify_all()
+                actions += self._maybe_delete(parent)
+        return actions
 
     # ------------------------------------------------------------------ forks in messages
     def fork_owned(self, record: OwnerRecord, dest: int) -> ForkData:
@@ -246,10 +277,12 @@ class RRefContext(ContextAudit):
         return self.on_child_accept(data.fork_id)
 
     def on_fork_received(
-        self, data: ForkData, sender: int
+        self, data: ForkData, sender: int, lazy: bool = False
     ) -> tuple[OwnerRecord | UserRecord, list[Action]]:
         """A message from ``sender`` carried ``data``: return the record the new RRef object
-        refers to, and the protocol messages to send."""
+        refers to, and the protocol messages to send. ``lazy`` (a call's arguments): a fork
+        from another user is kept unregistered, no fork request is sent (NOTE [Lazy
+        registration] in docs/protocol.md)."""
         with self._lock:
             if data.owner == self.worker_id:
                 if self._lost(data.rref_id):  # G3 ran for it: an RRef that fails on use, nothing kept
@@ -272,6 +305,9 @@ class RRefContext(ContextAudit):
                 self.confirmed_users[data.fork_id] = user
                 return user, []
             self.pending_users[data.fork_id] = user
+            if lazy and data.parent != self.worker_id and data.parent not in self.dead:
+                user.registered = False
+                return user, []
             return user, [ForkRequest(data.owner, data.rref_id, data.fork_id, data.parent)]
 
     # ------------------------------------------------------------------ owner side
@@ -461,6 +497,12 @@ class RRefContext(ContextAudit):
                     del self.pending_children[fid]
                     parent.children -= 1
                     actions += self._maybe_delete(parent)
+            for rec in list(self.pending_users.values()):
+                if not rec.registered and rec.parent == peer:
+                    # its cover is gone: register now (if the owner freed the value
+                    # meanwhile, the fork request registers nothing and every use of the
+                    # RRef fails typed, ``_lost``) - NOTE [Lazy registration]
+                    actions += self._register(rec)
             err = OwnerDiedError(f"the owner (worker {peer}) of this RRef died")
             for table in (self.pending_users, self.confirmed_users, self.deleting_users):
                 for fid, rec in list(table.items()):

@@ -40,6 +40,9 @@ class UserRecord:
     parent: int
     type_name: str = "object"
     confirmed: bool = False  #: the owner has registered this fork
+    #: False: a fork received in a call's arguments whose fork request was not sent (NOTE
+    #: [Lazy registration] in docs/protocol.md); its parent's fork covers the value
+    registered: bool = True
     alive: bool = True  #: the Python RRef object still exists
     children: int = 0  #: forks passed on from this one and not yet accepted
     error: BaseException | None = None  #: creation failure / owner death, raised on next use

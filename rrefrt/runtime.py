@@ -46,6 +46,7 @@ from .ids import ForkId, IdGenerator
 from .lifecycle import Lifecycle
 from .messages import (
     ChildAccept,
+    ChildAccepts,
     Fetch,
     ForkRequest,
     MalformedMessage,
@@ -94,6 +95,7 @@ class Runtime:
         Fetch: ("callee", "on_fetch"),
         ForkRequest: ("runtime", "on_protocol"),
         ChildAccept: ("runtime", "on_protocol"),
+        ChildAccepts: ("runtime", "on_protocol"),
         UserDelete: ("runtime", "on_protocol"),
         UserDeletes: ("runtime", "on_protocol"),
     }

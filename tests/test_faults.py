@@ -14,6 +14,7 @@ import pytest
 
 import rrefrt
 from rrefrt import faults
+from tests import lazy_fns as lf
 from tests import workerfns as fns
 from tests.support import free_port, poll_for
 
@@ -51,7 +52,10 @@ def test_lost_control_messages_are_retried(plans):
     plans("w2", faults.Rule("RREF_FORK_REQUEST", "drop", first=2), faults.Rule("RREF_CHILD_ACCEPT", "drop", first=1))
     plans("w0", faults.Rule("RREF_USER_DELETE", "drop", first=1))
     rref = rrefrt.remote("w1", fns.identity, args=(5,))
-    assert rrefrt.rpc_sync("w2", fns.rref_value, args=(rref,)) == 5
+    # confirmed_by_owner() registers the received fork (NOTE [Lazy registration]): w2 sends
+    # its fork request (lost twice) and, once acknowledged, its child accept (lost once)
+    confirmed, value, _ = rrefrt.rpc_sync("w2", fns.confirmed_then_value, args=(rref,))
+    assert confirmed is True and value == 5
     del rref
     drained("w1")
     hits = rrefrt.rpc_sync("w2", faults.stats)
@@ -164,16 +168,22 @@ def test_a_call_runs_before_the_owner_confirms_the_fork_it_received(plans):
     # 1. the function ran before the owner confirmed the fork, and read the value meanwhile
     #    (a fetch of a fork the owner does not know yet: w0's fork keeps the value)
     assert rrefrt.rpc_sync("w2", fns.fork_state_at_start, args=(rref,)) == (False, 5)
-    # the call is over; its fork waits for the ack, and w0 keeps its own fork for it (G2)
-    assert rrefrt.rpc_sync("w2", fns.owner_counts)["num_pending_users"] == 1
+    # that fork died with its call: accepted, never registered (NOTE [Lazy registration]);
+    # one the function keeps registers when the call ends, and waits for the ack after the
+    # call is over, while w0 keeps its own fork for it (G2)
+    assert rrefrt.rpc_sync("w2", lf.keep, args=(rref,)) is False
+    poll_for(lambda: rrefrt.rpc_sync("w2", lf.state)["num_pending_users"] == 1
+             and rrefrt.rpc_sync("w2", lf.state)["num_unregistered_users"] == 0, 10)
     assert fns.owner_counts()["num_pending_children"] >= 1
     # 2. torch's rule: an RRef received as an argument is confirmed inside the function
     confirmed, value, waited = rrefrt.rpc_sync("w2", fns.confirmed_then_value, args=(rref,))
     assert (confirmed, value) == (True, 5)
     assert rrefrt.rpc_sync("w1", faults.stats) == {"drop:RESPONSE:RREF_FORK_REQUEST": 2}
     assert retries("w2") - before >= 2
-    # 3. both forks, dropped by w2 while pending, were deleted after their acks: the owner
-    #    frees the value once w0 drops its RRef too, and no fork or child is left anywhere
+    # 3. both registered forks, dropped by w2 (one while pending), were deleted after their
+    #    acks: the owner frees the value once w0 drops its RRef too, and no fork or child is
+    #    left anywhere
+    assert rrefrt.rpc_sync("w2", lf.drop_kept) == 1
     del rref
     drained("w1")
     poll_for(lambda: all(rrefrt.rpc_sync(w, fns.owner_counts) == dict.fromkeys(fns.owner_counts(), 0)

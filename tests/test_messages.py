@@ -14,6 +14,7 @@ from rrefrt.messages import (
     MESSAGES,
     OK,
     ChildAccept,
+    ChildAccepts,
     Fetch,
     ForkData,
     ForkRequest,
@@ -39,6 +40,7 @@ EXAMPLES = [
     Fetch(0, RID, FID),
     ForkRequest(0, RID, FID, 2),
     ChildAccept(0, FID),
+    ChildAccepts(0, (FID, ForkId(3, 5))),
     UserDelete(0, RID, FID),
     UserDeletes(0, ((RID, FID), (RID, FID))),
     RemoteRet(0, RID, OK),
@@ -57,7 +59,7 @@ def test_round_trip(msg: Any) -> None:
 
 
 def test_one_class_per_kind() -> None:
-    assert len(MESSAGES) == 8 and len(set(KIND_NAMES.values())) == 8
+    assert len(MESSAGES) == 9 and len(set(KIND_NAMES.values())) == 9
 
 
 GOOD_ID = [0, 1]

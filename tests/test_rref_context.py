@@ -62,6 +62,7 @@ ZERO_COUNTS = {
     "num_pending_children": 0,
     "num_confirmed_users": 0,
     "num_deleting_users": 0,
+    "num_unregistered_users": 0,
 }
 
 
@@ -1004,3 +1005,66 @@ def test_placeholder_of_an_abandoned_creation_goes_with_its_last_fork() -> None:
     assert c.counts() == ZERO_COUNTS and c.leaks() == []
     assert c.on_fetch(rid, 1, 8).record.state == FAILED  # type: ignore[union-attr]
     _validate(c)
+
+
+def test_lazy_registration_of_a_fork_received_in_a_call() -> None:
+    """NOTE [Lazy registration]: a user->user fork in a call's arguments sends nothing on
+    arrival; dropped with no child it is accepted (no owner message); stored, it registers;
+    forked onward and dropped it is accepted once its child is; its parent's death
+    registers it, its owner's death fails it; validate() holds at every step."""
+    c = new_ctx(2)  # owner 1, parent 0
+    rid = RRefId(1, 5)
+
+    def received(n: int, lazy: bool = True) -> tuple:
+        rec, acts = c.on_fork_received(ForkData(rid, ForkId(0, n), 1, 0, "object"), 0, lazy)
+        assert isinstance(rec, UserRecord)
+        return rec, acts
+
+    dropped, acts = received(1)
+    assert acts == [] and not dropped.registered and c.counts()["num_unregistered_users"] == 1
+    c.validate()
+    assert c.user_dropped(dropped.fork_id) == [ChildAccept(0, dropped.fork_id)]
+    assert c.counts() == ZERO_COUNTS
+    stored, _ = received(2)
+    assert c.register_users([stored]) == [ForkRequest(1, rid, stored.fork_id, 0)]
+    assert c.register_users([stored]) == []  # once
+    c.validate()
+    assert c.on_fork_request_ack(stored.fork_id)[0] == ChildAccept(0, stored.fork_id)
+    assert c.user_dropped(stored.fork_id) == [UserDelete(1, rid, stored.fork_id)]
+    c.on_user_delete_ack(stored.fork_id)
+    relayed, _ = received(3)
+    child = c.fork_user(relayed, 3)
+    assert c.user_dropped(relayed.fork_id) == []  # its child is covered by it
+    c.validate()
+    assert c.on_child_accept(child.fork_id) == [ChildAccept(0, relayed.fork_id)]
+    assert c.counts() == ZERO_COUNTS
+    eager, acts = received(4, lazy=False)
+    assert eager.registered and acts == [ForkRequest(1, rid, eager.fork_id, 0)]
+    c.on_fork_request_ack(eager.fork_id)
+    orphan, _ = received(5)
+    assert c.on_peer_dead(0) == [ForkRequest(1, rid, orphan.fork_id, 0)]  # the parent died
+    c.validate()
+    assert c.on_fork_request_ack(orphan.fork_id) == []  # no accept for a dead parent
+    d = new_ctx(2)
+    rec, _ = d.on_fork_received(ForkData(rid, ForkId(0, 6), 1, 0, "object"), 0, True)
+    assert d.on_peer_dead(1) == [] and isinstance(rec.error, OwnerDiedError)  # the owner died
+    assert d.counts() == ZERO_COUNTS and d.user_dropped(rec.fork_id) == []
+    d.validate()
+
+
+def test_child_accepts_to_one_parent_are_batched() -> None:
+    """NOTE [Lazy registration]: the accepts of drops flushed together leave as one
+    RREF_CHILD_ACCEPTS per parent (a lone one stays a RREF_CHILD_ACCEPT), in place."""
+    from rrefrt.control import _batch_deletes
+    from rrefrt.messages import ChildAccepts
+
+    f = [ForkId(0, i) for i in range(4)]
+    got = _batch_deletes([ChildAccept(0, f[0]), UserDelete(1, RRefId(1, 1), f[3]), ChildAccept(2, f[1]),
+                          ChildAccept(0, f[2])])
+    assert got == [ChildAccepts(0, (f[0], f[2])), UserDelete(1, RRefId(1, 1), f[3]), ChildAccept(2, f[1])]
+    a = new_ctx(0)
+    parent, _ = _make_confirmed_user(a, new_ctx(1))
+    kids = [a.fork_user(parent, 2) for _ in range(3)]
+    assert a.on_child_accepts([k.fork_id for k in kids] + [kids[0].fork_id]) == []
+    assert parent.children == 0 and a.counts()["num_pending_children"] == 0
+    a.validate()

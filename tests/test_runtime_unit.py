@@ -81,6 +81,12 @@ def forward(rref: Any) -> Any:
     return rref.to_here().v
 
 
+def forward_confirmed(rref: Any) -> Any:
+    """``forward``, after registering the fork with its owner (NOTE [Lazy registration])."""
+    assert rref.confirmed_by_owner()
+    return rref.to_here().v
+
+
 def read_on(dest: str, rref: Any) -> Any:
     return rrefrt.rpc_sync(dest, forward, args=(rref,))
 
@@ -437,8 +443,13 @@ def test_the_rref_protocol_runs_off_the_control_thread(group: Group) -> None:
         assert rref.to_here() == 5  # a ready plain value: answered by the reader of the fetch
         assert submitted == [], submitted
         box = rrefrt.remote("w1", Box, args=("forked",))
-        assert rrefrt.rpc_sync("w2", forward, args=(box,)) == "forked"  # fork request, confirm, accept
+        assert rrefrt.rpc_sync("w2", forward_confirmed, args=(box,)) == "forked"  # fork request, confirm, accept
         poll_for(lambda: w0.ctx.counts()["num_pending_children"] == 0, 5, "the child's accept arrived")
+        # NOTE [Lazy registration]: a fork dropped in its call is accepted by its drop, which
+        # the flush of the drops sends (the control thread's, or the next caller's)
+        assert rrefrt.rpc_sync("w2", forward, args=(box,)) == "forked"
+        poll_for(lambda: (w2.control.flush_drops(), w0.ctx.counts()["num_pending_children"] == 0)[1], 5,
+                 "the unregistered child's accept arrived")
         more = [rrefrt.remote("w1", add, args=(i, i)) for i in range(5)]
         for r in more:
             poll_for(r.confirmed_by_owner, 5)
