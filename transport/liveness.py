@@ -10,12 +10,13 @@ Rule 1: every transition is an entry of ``TRANSITIONS``; a (state, event) pair t
     in the table leaves the state as it is. DEAD is final: a peer declared dead is fenced
     for the life of the transport (its late messages are dropped, it is told FENCED).
 Rule 2: a peer is declared dead when (a) its route has been gone for ``route_grace`` seconds
-    (a killed peer: its connection closes at once; a stopped or partitioned one: its
-    connection is closed by the ZMTP heartbeat timeout), (b) with ``judge_silence``, nothing
+    (a killed peer: its connections close at once), (b) with ``judge_silence``, nothing
     was heard from it for ``heartbeat_timeout`` seconds once it was up, or (c) another
-    member says so (DEAD_NOTICE). The zmq transport judges by (a) and (c) only, so that a
-    process whose GIL is held for long is not declared dead (NOTE [Liveness] in
-    ``transport.heartbeat``); (b) is for transports without such heartbeats.
+    member says so (DEAD_NOTICE). The zmq transport judges silence by its echo
+    connections, which libzmq answers without the GIL (NOTE [Liveness] in
+    ``transport.heartbeat``: a stopped, frozen or partitioned peer's echo falls silent; a
+    process whose GIL is held for long still echoes, so it is not declared dead). No
+    transport uses ZMTP heartbeats any more.
 Rule 3: when the table itself was not ticked for ``heartbeat_timeout / 2`` (this process was
     stopped, or starved of CPU), silence proves nothing about the others: every clock of
     "last heard" restarts at the late tick, so that a process resumed after SIGSTOP first
