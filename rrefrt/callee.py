@@ -59,12 +59,16 @@ class Callee:
 
     # ------------------------------------------------------------------ arrival (transport thread)
     def on_python_call(self, src: int, msg_id: int, msg: PythonCall, frames: Sequence[Any]) -> None:
+        if msg.deletes:  # NOTE [Piggybacked deletes] in docs/protocol.md: before the call
+            self.rt.control.perform(self.rt.ctx.on_user_deletes(msg.deletes))
         if self._seen_before(src, msg_id):
             self.rt.stats["duplicate_calls_dropped"] += 1
             return
         self._start(src, msg, msg_id, frames, None)
 
     def on_remote_request(self, src: int, msg_id: int, msg: RemoteRequest, frames: Sequence[Any]) -> None:
+        if msg.deletes:  # NOTE [Piggybacked deletes]: before the creation; idempotent (retries)
+            self.rt.control.perform(self.rt.ctx.on_user_deletes(msg.deletes))
         rec = self.rt.creation.on_request(src, msg_id, msg)
         if rec is not None:  # not a duplicate; the answer goes through the creation tracker
             self._start(src, msg, 0, frames, rec)

@@ -78,8 +78,9 @@ class Caller:
         if func is _invoke_on_owner and args:  # a proxy call: the RRef (only it is kept)
             target = args[0]
             owner_of = lambda: repr(target)  # noqa: E731
-        msg = PythonCall(dest, tuple(ForkData.from_wire(f) for f in forks))
-        self.send_request(msg, frames, rt.timeout(timeout), fut, what, forks, owner_of)
+        deletes = self.flush_drops(dest) if rt.control.drops else ()  # NOTE [Drops]
+        msg = PythonCall(dest, tuple(ForkData.from_wire(f) for f in forks), deletes)
+        self.send_request(msg, frames, rt.timeout(timeout), fut, what, forks, owner_of, flush=False)
         return fut
 
     def rpc_sync(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
@@ -108,13 +109,14 @@ class Caller:
         urec = rt.ctx.new_remote_user(dest, tname, rt.timeout(timeout))
         if rt.options.strict_rref_leaks:
             urec.site = creation_site()
-        msg = RemoteRequest(dest, urec.rref_id, urec.fork_id, tname, fork_data)
-        if rt.control.drops:  # NOTE [Drops]
-            self.flush_drops()
+        # NOTE [Drops]; NOTE [Piggybacked deletes] in docs/protocol.md
+        deletes = self.flush_drops(dest) if rt.control.drops else ()
+        msg = RemoteRequest(dest, urec.rref_id, urec.fork_id, tname, fork_data, deletes)
         cell = rt.creation.new(urec.fork_id)
         try:
             rt.creation.send(msg, frames, cell)
         except transport.TransportError as e:
+            rt.control.deletes_delivered(dest, deletes, e)
             self.abort_forks(forks)
             rt.control.perform(rt.ctx.on_remote_ret(urec.fork_id, translate(e, "remote()")))
             raise translate(e, "remote()") from None
@@ -205,9 +207,12 @@ class Caller:
         rt, dest = self.rt, msg.dest
         if flush and rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
             self.flush_drops()
+        deletes = msg.deletes if isinstance(msg, PythonCall) else ()
 
         def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:  # transport thread
             try:
+                if deletes:  # NOTE [Piggybacked deletes]: the answer is their ack
+                    rt.control.deletes_delivered(dest, deletes, err)
                 if before is not None:
                     before()
                 if err is not None:
@@ -230,18 +235,22 @@ class Caller:
             rt.transport.request(dest, msg.KIND, msg.meta(), frames, timeout, on_done, msg.NAME)
         except transport.TransportError as e:
             rt.lifecycle.track_outgoing(-1)
+            rt.control.deletes_delivered(dest, deletes, e)
             if before is not None:
                 before()
             self.abort_forks(forks)
             raise translate(e, what(), owner_of() if owner_of else None) from None
 
-    def flush_drops(self) -> None:
+    def flush_drops(self, dest: int | None = None) -> tuple:
         """NOTE [Drops]: send the deletes of dropped RRefs before this call - unless the
         context's lock is held (a call made from a destructor that the garbage collector
-        ran inside the context, on this very thread: the control thread sends them)."""
+        ran inside the context, on this very thread: the control thread sends them).
+        ``dest``: the deletes to that worker are returned to ride in the call instead
+        (NOTE [Piggybacked deletes] in docs/protocol.md)."""
         rt = self.rt
         if not rt.ctx._lock.locked():
-            rt.control.flush_drops()
+            return rt.control.flush_drops(dest)
+        return ()
 
     def _complete(self, fut: Future[Any], src: int, meta: Any, frames: Sequence[Any]) -> None:
         """Transport thread: decode the response meta once, account for the forks now,

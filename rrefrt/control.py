@@ -199,6 +199,19 @@ def _batch_deletes(actions: list[Action]) -> list[Action]:
     return out
 
 
+def _take_deletes(actions: list[Action], dest: int) -> tuple:
+    """NOTE [Piggybacked deletes]: remove the first UserDelete(s) to ``dest`` from
+    ``actions`` (batched: at most one per owner, ``_batch_deletes``) and return its pairs."""
+    for i, a in enumerate(actions):
+        if isinstance(a, UserDeletes) and a.dest == dest:
+            del actions[i]
+            return a.deletes
+        if isinstance(a, UserDelete) and a.dest == dest:
+            del actions[i]
+            return ((a.rref_id, a.fork_id),)
+    return ()
+
+
 def _batch_accepts(actions: list[Action]) -> list[Action]:
     """NOTE [Lazy registration] in docs/protocol.md: the ChildAccept actions to one parent
     (the drops of a burst of call arguments) become one ChildAccepts."""
@@ -301,9 +314,12 @@ class ControlLoop:
             self._flush_queued = True
             self.queue.put(_FLUSH)
 
-    def flush_drops(self) -> None:
+    def flush_drops(self, keep_for: int | None = None) -> tuple:
         """Apply the drops remembered so far and send their deletes, on this thread (which
-        holds no lock).
+        holds no lock). ``keep_for``: a worker this thread is about to send a call or a
+        creation to; up to ``DELETES_PER_MESSAGE`` deletes to it are not sent but returned
+        as ``((rref_id, fork_id), ...)``, to ride in that message (NOTE [Piggybacked
+        deletes] in docs/protocol.md).
 
         NOTE [Drops]: the control thread applies them (at most ``DROP_DELAY`` after the
         first drop woke it; drops that come while it batches wake nothing), and so does every
@@ -318,10 +334,11 @@ class ControlLoop:
         waits while holding another lock (the context's lock is taken and released inside
         ``users_dropped``)."""
         drops, ctx = self.drops, self.rt.ctx
+        kept: tuple = ()
         if not self._flush_lock.acquire(timeout=FLUSH_WAIT):
             log.warning("worker %r: another thread has been sending the deletes of dropped RRefs for over "
                         "%.0f s; not waiting for it any longer", self.rt.info.name, FLUSH_WAIT)
-            return
+            return kept
         try:
             drops.flushing = True
             while len(drops):
@@ -332,10 +349,27 @@ class ControlLoop:
                 except IndexError:
                     pass
                 if fids:
-                    self._perform(_batch_deletes(ctx.users_dropped(fids)))
+                    actions = _batch_deletes(ctx.users_dropped(fids))
+                    if keep_for is not None and not kept:
+                        kept = _take_deletes(actions, keep_for)
+                    self._perform(actions)
         finally:
             drops.flushing = False
             self._flush_lock.release()
+        return kept
+
+    def deletes_delivered(self, dest: int, deletes: tuple, error: BaseException | None) -> None:
+        """The message that carried ``deletes`` (``flush_drops(keep_for=...)``) was answered
+        (``error`` None: the owner applied them before it handled the message, so this is
+        their ack), or failed with delivery unknown: they go again on their own, retried
+        and acknowledged as ever (the owner's handling is idempotent). Any thread that
+        holds no lock (NOTE [Piggybacked deletes] in docs/protocol.md)."""
+        if not deletes:
+            return
+        if error is None:
+            self.rt.ctx.on_user_deletes_ack([fid for _, fid in deletes])
+            return
+        self.perform([UserDeletes(dest, deletes)])
 
     def _on_flush(self, item: FlushDrops) -> None:
         """A drop woke this thread: flush ``DROP_DELAY`` from now (``_run``), not at once, so

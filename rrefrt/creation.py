@@ -152,6 +152,8 @@ class CreationTracker:
         cell = cell if cell is not None else Creation(fid)
 
         def on_ack(err: Any) -> None:  # transport thread; after on_reply
+            if msg.deletes:  # NOTE [Piggybacked deletes] in docs/protocol.md: first answer = their ack
+                rt.control.deletes_delivered(dest, msg.deletes, err)
             if isinstance(err, transport.RequestTimeout):
                 rt.control.put(CreationLost(fid, dest))  # on_lost fails the parked calls
                 if not rt.closed:

@@ -14,8 +14,12 @@ pickle-5 stream followed by its out-of-band buffers (tensor storage), decoded on
 header passed validation (``decode``), which is the only place meta is parsed.
 
     class          NAME (label)       KIND  sender -> receiver     meta (request)                   payload
-    PythonCall     PYTHON_CALL        16    caller -> callee       [forks]                          (func, args, kwargs)
-    RemoteRequest  PYTHON_REMOTE      17    caller -> owner        [rref_id, fork_id, type, forks]  (func, args, kwargs)
+    PythonCall     PYTHON_CALL        16    caller -> callee       [forks(, deletes)]               (func, args, kwargs)
+    RemoteRequest  PYTHON_REMOTE      17    caller -> owner        [rref_id, fork_id, type, forks   (func, args, kwargs)
+                                                                    (, deletes)]
+                   deletes: optional, [[rref_id, fork_id], ...] as in RREF_USER_DELETES, applied
+                   by the receiver before it handles the call; the call's answer acknowledges
+                   them (NOTE [Piggybacked deletes] in docs/protocol.md)
                    retried until answered, deduplicated by fork id on the owner, so the
                    function runs once; see NOTE [Creation acks] in rrefrt/creation.py
     Fetch          RREF_FETCH         18    user   -> owner        [rref_id, fork_id]               -
@@ -128,6 +132,17 @@ def _rid(raw: Any) -> RRefId:
     return RRefId.from_wire(raw)
 
 
+def _deletes_wire(deletes: tuple) -> list[Any]:
+    return [[[*rid], [*fid]] for rid, fid in deletes]  # ids are (worker, n) tuples
+
+
+def _deletes(raw: Any) -> tuple:
+    if type(raw) is not list or not raw:
+        raise ValueError("delete list expected")
+    new = RRefId.from_wire
+    return tuple((new(rid), new(fid)) for rid, fid in raw)
+
+
 # ---------------------------------------------------------------------------- messages
 @dataclass(frozen=True, slots=True)
 class PythonCall:
@@ -135,14 +150,19 @@ class PythonCall:
     NAME: ClassVar[str] = "PYTHON_CALL"
     dest: int
     forks: tuple[ForkData, ...] = ()
+    #: NOTE [Piggybacked deletes] in docs/protocol.md: ((rref_id, fork_id), ...) to apply first
+    deletes: tuple = ()
 
     def meta(self) -> list[Any]:
-        return [[f.to_wire() for f in self.forks]]
+        forks = [f.to_wire() for f in self.forks]
+        return [forks, _deletes_wire(self.deletes)] if self.deletes else [forks]
 
     @classmethod
     def decode(cls, dest: int, meta: list) -> "PythonCall":
-        (forks,) = meta
-        return cls(dest, _forks(forks))
+        forks, *rest = meta
+        if len(rest) > 1:
+            raise ValueError("too many fields")
+        return cls(dest, _forks(forks), _deletes(rest[0]) if rest else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,16 +174,23 @@ class RemoteRequest:
     fork_id: ForkId
     type_name: str
     forks: tuple[ForkData, ...] = ()
+    #: NOTE [Piggybacked deletes] in docs/protocol.md: ((rref_id, fork_id), ...) to apply first
+    deletes: tuple = ()
 
     def meta(self) -> list[Any]:
-        return [self.rref_id.to_wire(), self.fork_id.to_wire(), self.type_name, [f.to_wire() for f in self.forks]]
+        meta = [self.rref_id.to_wire(), self.fork_id.to_wire(), self.type_name, [f.to_wire() for f in self.forks]]
+        if self.deletes:
+            meta.append(_deletes_wire(self.deletes))
+        return meta
 
     @classmethod
     def decode(cls, dest: int, meta: list) -> "RemoteRequest":
-        rid, fid, tname, forks = meta
+        rid, fid, tname, forks, *rest = meta
         if type(tname) is not str:
             raise ValueError("type name must be a string")
-        return cls(dest, _rid(rid), ForkId.from_wire(fid), tname, _forks(forks))
+        if len(rest) > 1:
+            raise ValueError("too many fields")
+        return cls(dest, _rid(rid), ForkId.from_wire(fid), tname, _forks(forks), _deletes(rest[0]) if rest else ())
 
 
 class _OwnerForkMessage:
@@ -248,14 +275,11 @@ class UserDeletes:
     deletes: tuple  #: ((rref_id, fork_id), ...)
 
     def meta(self) -> list[Any]:
-        return [[[*rid], [*fid]] for rid, fid in self.deletes]  # ids are (worker, n) tuples
+        return _deletes_wire(self.deletes)
 
     @classmethod
     def decode(cls, dest: int, meta: list) -> "UserDeletes":
-        if not meta:
-            raise ValueError("no deletes")
-        new = RRefId.from_wire
-        return cls(dest, tuple((new(rid), new(fid)) for rid, fid in meta))
+        return cls(dest, _deletes(meta))
 
 
 @dataclass(frozen=True, slots=True)

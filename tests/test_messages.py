@@ -45,6 +45,9 @@ EXAMPLES = [
     UserDeletes(0, ((RID, FID), (RID, FID))),
     RemoteRet(0, RID, OK),
     RemoteRet(0, RID, ERROR),
+    # NOTE [Piggybacked deletes]: deletes riding in a call or a creation
+    PythonCall(0, (FORK,), ((RID, FID),)),
+    RemoteRequest(0, RID, FID, "Box", (), ((RID, FID), (RID, ForkId(3, 5)))),
 ]
 
 
@@ -99,6 +102,22 @@ def test_bad_fork_data_inside_calls() -> None:
             decode(PythonCall.KIND, [forks], 0)
         with pytest.raises(MalformedMessage):
             decode(RemoteRequest.KIND, [GOOD_ID, GOOD_ID, "t", forks], 0)
+
+
+def test_piggybacked_deletes_are_an_optional_last_field() -> None:
+    """NOTE [Piggybacked deletes]: absent when there are none (the header is as before),
+    refused when empty, malformed or followed by more."""
+    assert len(PythonCall(0, ()).meta()) == 1 and len(RemoteRequest(0, RID, FID, "t").meta()) == 4
+    pair = [GOOD_ID, GOOD_ID]
+    for bad in ([], [[GOOD_ID]], [pair, "x"], "x", [[GOOD_ID, "x"]]):
+        with pytest.raises(MalformedMessage):
+            decode(PythonCall.KIND, [[], bad], 0)
+        with pytest.raises(MalformedMessage):
+            decode(RemoteRequest.KIND, [GOOD_ID, GOOD_ID, "t", [], bad], 0)
+    with pytest.raises(MalformedMessage):
+        decode(PythonCall.KIND, [[], [pair], 0], 0)
+    with pytest.raises(MalformedMessage):
+        decode(RemoteRequest.KIND, [GOOD_ID, GOOD_ID, "t", [], [pair], 0], 0)
 
 
 def test_unknown_kinds() -> None:

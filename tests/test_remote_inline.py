@@ -9,6 +9,7 @@ Messages are counted with the fault hook (a "delay" of 0 s counts a message and 
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -69,7 +70,7 @@ def owner_died(rref: rrefrt.RRef) -> bool:
 def test_remote_to_here_one_message_each_way_and_bounded_waits() -> None:
     workers = Workers()
     port = free_port()
-    opts = {"rpc_timeout": 30.0, "shutdown_timeout": 10.0}
+    opts = {"rpc_timeout": 30.0, "shutdown_timeout": 30.0}  # w1 waits this long for w0 at its barrier
     try:
         w1 = workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": opts})
         rrefrt.init_rpc("w0", rank=0, world_size=2,
@@ -120,6 +121,42 @@ def test_remote_to_here_one_message_each_way_and_bounded_waits() -> None:
                 r.to_here()
         with pytest.raises(ValueError, match="boom"):
             rrefrt.remote("w1", fns.raise_value_error, args=("boom2",)).to_here_async().wait(10)
+
+        # 3b. NOTE [Piggybacked deletes] in docs/protocol.md: the delete of each dropped RRef
+        # rides in the next creation to its owner - no delete message of its own - and the
+        # owner frees them all. (The control thread's own flush, 20 ms after a drop, may
+        # rarely win the race on a loaded machine and send one on its own; without the
+        # change every iteration sends one.)
+        deletes = ("RREF_USER_DELETE", "RREF_USER_DELETES")
+        faults.install(counting((*COUNTED_W0, *deletes)))
+        rt0 = rrefrt.state.current()
+        del r  # (rebound below)
+        gc.collect()
+        rrefrt.rpc_sync("w1", fns.gc_collect)
+        base = rrefrt.rpc_sync("w1", fns.owner_counts)  # carries the drops left so far
+
+        def separate() -> int:
+            stats = faults.stats()
+            return sum(stats.get(f"delay:{label}", 0) for label in deletes)
+
+        before = separate()
+        for i in range(30):
+            assert rrefrt.remote("w1", fns.identity, args=(i,)).to_here() == i  # dropped at once
+        took = separate() - before
+        assert took <= 3, f"{took} separate delete messages in 30 iterations"
+        poll_for(lambda: rrefrt.rpc_sync("w1", fns.owner_counts) == base, 10, "w1 freed the dropped RRefs")
+        poll_for(lambda: not rt0.ctx.deleting_users, 10, "the deletes were acknowledged")
+        # a call that times out (delivery unknown) carrying a delete: the delete goes again
+        # on its own (retried, acknowledged; applying it twice changes nothing), no leak
+        r = rrefrt.remote("w1", fns.identity, args=(7,))
+        assert r.to_here() == 7
+        before = separate()
+        del r
+        with pytest.raises(rrefrt.RpcTimeoutError):
+            rrefrt.rpc_sync("w1", fns.sleep_for, args=(1.5,), timeout=0.3)
+        poll_for(lambda: separate() > before, 10, "the timed-out call's delete sent on its own")
+        poll_for(lambda: not rt0.ctx.deleting_users, 10, "the resent delete was acknowledged")
+        poll_for(lambda: rrefrt.rpc_sync("w1", fns.owner_counts) == base, 10, "w1 freed the dropped RRef")
 
         # 4. a to_here() parked on a creation whose answer is late fails at its timeout,
         # typed and naming the RRef; the value is there later

@@ -643,6 +643,26 @@ def test_g1_user_dropped_before_remote_ret_deletes_only_after_it() -> None:
     assert a.counts() == ZERO_COUNTS and b.counts() == ZERO_COUNTS
 
 
+def test_a_delete_applied_again_changes_nothing() -> None:
+    """NOTE [Piggybacked deletes]: the deletes a PYTHON_REMOTE carries come again with its
+    retries, and those of a call that timed out are sent again on their own: applying a
+    delete again (alone or in a batch, after the value was released) changes nothing."""
+    a, b = new_ctx(0), new_ctx(1)
+    urec, orec = _make_confirmed_user(a, b)
+    keep, korec = _make_confirmed_user(a, b, "kept")
+    assert a.user_dropped(urec.fork_id) == [UserDelete(1, urec.rref_id, urec.fork_id)]
+    pair = (urec.rref_id, urec.fork_id)
+    assert b.on_user_deletes((pair,)) == [Release(orec)]
+    for _ in range(2):
+        assert b.on_user_deletes((pair,)) == []
+        assert b.on_user_delete(*pair) == []
+    assert b.owners == {korec.rref_id: korec} and b.forks == {korec.rref_id: {keep.fork_id: 0}}
+    a.on_user_deletes_ack([urec.fork_id])
+    a.on_user_deletes_ack([urec.fork_id])  # the late ack of the copy sent on its own
+    _validate(a, b)
+    assert a.counts()["num_deleting_users"] == 0 and a.counts()["num_confirmed_users"] == 1
+
+
 def test_g1_remote_ret_with_error_then_drop() -> None:
     a, b = new_ctx(0), new_ctx(1)
     urec = a.new_remote_user(1)
