@@ -56,7 +56,14 @@ def test_lost_control_messages_are_retried(plans):
     # its fork request (lost twice) and, once acknowledged, its child accept (lost once)
     confirmed, value, _ = rrefrt.rpc_sync("w2", fns.confirmed_then_value, args=(rref,))
     assert confirmed is True and value == 5
+    # w2's child accept (lost once) has come back: w0's delete can leave as soon as it drops
+    poll_for(lambda: rrefrt.get_debug_info()["num_pending_children"] == 0, 10, "w2's child accept retried")
     del rref
+    gc.collect()
+    # no call to w1 until w0's delete is acknowledged: a call would carry it (NOTE
+    # [Piggybacked deletes]); alone, the control thread's flush sends it (lost once)
+    poll_for(lambda: (lambda c: c["num_confirmed_users"] + c["num_pending_users"] + c["num_deleting_users"] == 0)(
+        rrefrt.get_debug_info()), 10, lambda: str(rrefrt.get_debug_info()))
     drained("w1")
     hits = rrefrt.rpc_sync("w2", faults.stats)
     assert hits == {"drop:RREF_FORK_REQUEST": 2, "drop:RREF_CHILD_ACCEPT": 1}
