@@ -174,27 +174,33 @@ DELETES_PER_MESSAGE = 512
 
 def _batch_deletes(actions: list[Action]) -> list[Action]:
     """The UserDelete actions to one owner become one UserDeletes, and the ChildAccept
-    actions to one parent one ChildAccepts, at the place of the first (the list is returned
-    as it is unless some owner or parent gets several)."""
-    if sum(type(a) is ChildAccept for a in actions) >= 2:
-        actions = _batch_accepts(actions)
-    if sum(isinstance(a, UserDelete) for a in actions) < 2:
+    actions to one parent one ChildAccepts (NOTE [Lazy registration] in docs/protocol.md),
+    at the place of the first (the list is returned as it is unless some owner or parent
+    gets several)."""
+    actions = _batch(actions, ChildAccept, lambda dest, c: ChildAccepts(dest, tuple(x.fork_id for x in c)))
+    return _batch(actions, UserDelete, lambda dest, c: UserDeletes(dest, tuple((x.rref_id, x.fork_id) for x in c)))
+
+
+def _batch(actions: list[Action], kind: type, many: Callable[[int, list[Any]], Action]) -> list[Action]:
+    """The ``kind`` actions to one worker become ``many(dest, chunk)`` (at most
+    ``DELETES_PER_MESSAGE`` each) at the place of the first; a lone one stays as it is."""
+    if sum(type(a) is kind for a in actions) < 2:
         return actions
-    by_owner: dict[int, list[UserDelete]] = {}
+    by_dest: dict[int, list[Any]] = {}
     for a in actions:
-        if isinstance(a, UserDelete):
-            by_owner.setdefault(a.dest, []).append(a)
+        if type(a) is kind:
+            by_dest.setdefault(a.dest, []).append(a)
     out: list[Action] = []
     for a in actions:
-        if not isinstance(a, UserDelete):
+        if type(a) is not kind:
             out.append(a)
             continue
-        dels = by_owner.pop(a.dest, None)
-        if dels is None:
-            continue  # batched with the first delete to its owner
-        for i in range(0, len(dels), DELETES_PER_MESSAGE):
-            chunk = dels[i : i + DELETES_PER_MESSAGE]
-            out.append(chunk[0] if len(chunk) == 1 else UserDeletes(a.dest, tuple((d.rref_id, d.fork_id) for d in chunk)))
+        same = by_dest.pop(a.dest, None)
+        if same is None:
+            continue  # batched with the first one to its worker
+        for i in range(0, len(same), DELETES_PER_MESSAGE):
+            chunk = same[i : i + DELETES_PER_MESSAGE]
+            out.append(chunk[0] if len(chunk) == 1 else many(a.dest, chunk))
     actions.clear()
     return out
 
@@ -210,28 +216,6 @@ def _take_deletes(actions: list[Action], dest: int) -> tuple:
             del actions[i]
             return ((a.rref_id, a.fork_id),)
     return ()
-
-
-def _batch_accepts(actions: list[Action]) -> list[Action]:
-    """NOTE [Lazy registration] in docs/protocol.md: the ChildAccept actions to one parent
-    (the drops of a burst of call arguments) become one ChildAccepts."""
-    by_parent: dict[int, list[ChildAccept]] = {}
-    for a in actions:
-        if type(a) is ChildAccept:
-            by_parent.setdefault(a.dest, []).append(a)
-    out: list[Action] = []
-    for a in actions:
-        if type(a) is not ChildAccept:
-            out.append(a)
-            continue
-        accs = by_parent.pop(a.dest, None)
-        if accs is None:
-            continue  # batched with the first accept to its parent
-        for i in range(0, len(accs), DELETES_PER_MESSAGE):
-            chunk = accs[i : i + DELETES_PER_MESSAGE]
-            out.append(chunk[0] if len(chunk) == 1 else ChildAccepts(a.dest, tuple(c.fork_id for c in chunk)))
-    actions.clear()
-    return out
 
 
 class _Drops(collections.deque):
