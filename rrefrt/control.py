@@ -20,7 +20,9 @@ Home threads (each action or item kind runs on exactly one kind of thread):
     Incoming Fetch / ForkRequest /       its reader      protocol state (RRef context);
       ChildAccept(s) / UserDelete(s)                      NOTE [Inline protocol]
     Dropped / FlushDrops (an RRef's      control, or a   G1 bookkeeping; NOTE [Drops]
-      __del__)                           caller's thread
+      __del__)                           caller's thread (applied in the __del__ itself
+                                                         when the context's lock is free;
+                                                         sent from these threads)
     Acked (final ack of a request)       transport       context update, sends (inline)
     CreationSettled / CreationLost       control         see rrefrt/creation.py (a result
                                                          now settles on the thread that has
@@ -77,6 +79,7 @@ from .messages import (
     ForkRequest,
     Message,
     Release,
+    Releases,
     RemoteRet,
     ServeFetch,
     UserDelete,
@@ -168,8 +171,12 @@ ControlItem = Incoming | Perform | Dropped | FlushDrops | Acked | Retry | Creati
 
 _FLUSH = FlushDrops()
 
-#: NOTE [Drops]: the most deletes one RREF_USER_DELETES carries
-DELETES_PER_MESSAGE = 512
+#: NOTE [Drops]: the most deletes one RREF_USER_DELETES (or one call) carries
+DELETES_PER_MESSAGE = 2048
+
+
+def _child_accepts(dest: int, c: list[ChildAccept]) -> ChildAccepts:
+    return ChildAccepts(dest, tuple(x.fork_id for x in c))
 
 
 def _batch_deletes(actions: list[Action]) -> list[Action]:
@@ -177,7 +184,7 @@ def _batch_deletes(actions: list[Action]) -> list[Action]:
     actions to one parent one ChildAccepts (NOTE [Lazy registration] in docs/protocol.md),
     at the place of the first (the list is returned as it is unless some owner or parent
     gets several)."""
-    actions = _batch(actions, ChildAccept, lambda dest, c: ChildAccepts(dest, tuple(x.fork_id for x in c)))
+    actions = _batch(actions, ChildAccept, _child_accepts)
     return _batch(actions, UserDelete, lambda dest, c: UserDeletes(dest, tuple((x.rref_id, x.fork_id) for x in c)))
 
 
@@ -205,17 +212,9 @@ def _batch(actions: list[Action], kind: type, many: Callable[[int, list[Any]], A
     return out
 
 
-def _take_deletes(actions: list[Action], dest: int) -> tuple:
-    """NOTE [Piggybacked deletes]: remove the first UserDelete(s) to ``dest`` from
-    ``actions`` (batched: at most one per owner, ``_batch_deletes``) and return its pairs."""
-    for i, a in enumerate(actions):
-        if isinstance(a, UserDeletes) and a.dest == dest:
-            del actions[i]
-            return a.deletes
-        if isinstance(a, UserDelete) and a.dest == dest:
-            del actions[i]
-            return ((a.rref_id, a.fork_id),)
-    return ()
+#: NOTE [Drops]: in ``drops``, "a drop applied in its ``__del__`` whose actions wait in the
+#: context" (``RRefContext.try_user_dropped``)
+_APPLIED = object()
 
 
 class _Drops(collections.deque):
@@ -284,28 +283,45 @@ class ControlLoop:
 
     def drop(self, fork_id: ForkId) -> None:
         """An RRef object went away (its ``__del__``, maybe inside the garbage collector while
-        this thread holds the context lock): remember it, wake the control thread unless a
-        wake-up is already queued. Never takes a lock, never sends (a deque append and at
-        most one SimpleQueue put).
+        this thread holds the context lock): apply the drop to the context at once if its lock
+        is free (``try_user_dropped``, a non-blocking acquire: the deletes it decides wait in
+        the context, marked by one ``_APPLIED`` in ``drops``), else remember the fork id; then
+        wake the control thread unless a wake-up is already queued. Never waits for a lock,
+        never sends (a deque append and at most one SimpleQueue put).
 
-        No drop is left behind: the flag is read after the append, and the control thread
-        clears it before it drains the deque. If the flag reads True, the FlushDrops that
-        the thread which set it queued has not cleared it yet, so that flush drains after
-        this append; if it reads False, this drop queues one itself (two threads may both
-        queue one: a spare flush finds the deque empty)."""
-        self.drops.append(fork_id)
+        Applying here, not at the flush, moves the per-RRef work of a burst of drops (the
+        benchmark's ``del rrefs; gc.collect()``) out of the thread that sends next: that flush
+        only takes the deletes, grouped by owner, and sends one message per owner (or lets them
+        ride in its call). No drop is left behind: a marker is appended after the context took
+        the drop's actions and only when ``drops`` is empty; a flush takes the context's
+        actions after it popped, so it sees every action decided before the last element it
+        popped. The wake-up flag is read after the append, and the control thread clears it
+        before it drains the deque. If the flag reads True, the FlushDrops that the thread
+        which set it queued has not cleared it yet, so that flush drains after this append;
+        if it reads False, this drop queues one itself (two threads may both queue one: a
+        spare flush finds the deque empty)."""
+        drops = self.drops
+        if self.rt.ctx.try_user_dropped(fork_id):
+            if not len(drops):  # a marker: "something to send" (``flush_drops`` skips it)
+                drops.append(_APPLIED)
+        else:
+            drops.append(fork_id)
         if not self._flush_queued and not self._batching:
             self._flush_queued = True
             self.queue.put(_FLUSH)
 
     def flush_drops(self, keep_for: int | None = None) -> tuple:
-        """Apply the drops remembered so far and send their deletes, on this thread (which
-        holds no lock). ``keep_for``: a worker this thread is about to send a call or a
-        creation to; up to ``DELETES_PER_MESSAGE`` deletes to it are not sent but returned
-        as ``((rref_id, fork_id), ...)``, to ride in that message (NOTE [Piggybacked
-        deletes] in docs/protocol.md).
+        """Apply the drops remembered so far, take the actions of those applied in their
+        ``__del__`` (``drop``), and send the deletes - one message per owner, at most
+        ``DELETES_PER_MESSAGE`` deletes each - on this thread (which holds no lock).
+        ``keep_for``: a worker this thread is about to send a call or a creation to; up to
+        ``DELETES_PER_MESSAGE`` deletes to it are not sent but returned as ``((rref_id,
+        fork_id), ...)``, to ride in that message (NOTE [Piggybacked deletes] in
+        docs/protocol.md).
 
-        NOTE [Drops]: the control thread applies them (at most ``DROP_DELAY`` after the
+        NOTE [Drops]: an RRef's ``__del__`` applies its drop to the context when the
+        context's lock is free (``drop``); what it decides waits there for a thread that may
+        send. The control thread sends it (at most ``DROP_DELAY`` after the
         first drop woke it; drops that come while it batches wake nothing), and so does every
         thread about to send a call or a creation (``Caller``), so that the deletes of the
         RRefs a program dropped leave before its next message: on one connection they then
@@ -316,7 +332,7 @@ class ControlLoop:
         ``FLUSH_WAIT``) for a flush in progress elsewhere, so that no delete it popped
         leaves after the call. Sends never wait for this lock's holder, and nothing here
         waits while holding another lock (the context's lock is taken and released inside
-        ``users_dropped``)."""
+        ``take_dropped``)."""
         drops, ctx = self.drops, self.rt.ctx
         kept: tuple = ()
         if not self._flush_lock.acquire(timeout=FLUSH_WAIT):
@@ -328,15 +344,25 @@ class ControlLoop:
             while len(drops):
                 fids: list[ForkId] = []
                 try:
-                    while len(fids) < DELETES_PER_MESSAGE:
-                        fids.append(drops.popleft())
+                    for _ in range(DELETES_PER_MESSAGE):
+                        fid = drops.popleft()
+                        if fid is not _APPLIED:
+                            fids.append(fid)
                 except IndexError:
                     pass
-                if fids:
-                    actions = _batch_deletes(ctx.users_dropped(fids))
-                    if keep_for is not None and not kept:
-                        kept = _take_deletes(actions, keep_for)
-                    self._perform(actions)
+                deletes, actions = ctx.take_dropped(fids)
+                if len(actions) > 1:
+                    actions = _batch(actions, ChildAccept, _child_accepts)
+                for dest, pairs in deletes.items():
+                    for i in range(0, len(pairs), DELETES_PER_MESSAGE):
+                        chunk = tuple(pairs[i : i + DELETES_PER_MESSAGE])
+                        if dest == keep_for and not kept:
+                            kept = chunk  # NOTE [Piggybacked deletes]: rides in the call
+                        elif len(chunk) == 1:
+                            actions.append(UserDelete(dest, *chunk[0]))
+                        else:
+                            actions.append(UserDeletes(dest, chunk))
+                self._perform(actions)
         finally:
             drops.flushing = False
             self._flush_lock.release()
@@ -478,6 +504,9 @@ class ControlLoop:
                     # the value's destructor must run on the callback pool: hand over the
                     # only reference held here, then forget it (NOTE [Release home])
                     box.append(a.record)
+                elif type(a) is Releases:
+                    box += a.records
+                    a.records.clear()
                 elif isinstance(a, (ForkRequest, UserDelete, UserDeletes)):
                     self.request(a, lambda e, m=a: self._on_acked(Acked(m, e)))
                 elif isinstance(a, (ChildAccept, ChildAccepts, RemoteRet)):

@@ -42,19 +42,24 @@ from .messages import (
     ForkData,
     ForkRequest,
     Release,
+    Releases,
     ServeFetch,
     UserDelete,
 )
 from .rref_audit import ContextAudit, creation_site
+from .rref_drops import ContextDrops
 from .rref_records import _NO_VALUE, FAILED, PENDING, READY, OwnerRecord, UserRecord
+
+_id = RRefId._make  #: a named id from a decoded (worker, n) tuple
 
 __all__ = ["RRefContext", "OwnerRecord", "UserRecord", "PENDING", "READY", "FAILED", "_NO_VALUE", "creation_site"]
 
 
-class RRefContext(ContextAudit):
+class RRefContext(ContextAudit, ContextDrops):
     """The protocol state of one worker (a monitor: see the module docstring). The records
     are in ``rrefrt/rref_records.py``; the read-only diagnostics (counts, leaks, the
-    invariant check) in ``rrefrt/rref_audit.py``."""
+    invariant check) in ``rrefrt/rref_audit.py``; the events of dropped RRef objects in
+    ``rrefrt/rref_drops.py``."""
 
     def __init__(self, worker_id: int, ids: IdGenerator) -> None:
         self.worker_id = worker_id
@@ -91,6 +96,11 @@ class RRefContext(ContextAudit):
         #: rref id -> record, for every value owned here while anything references it
         #: (``owners`` or a local RRef object): how an RRef sent to itself finds its value.
         self.known_owned: weakref.WeakValueDictionary[RRefId, OwnerRecord] = weakref.WeakValueDictionary()
+        #: NOTE [Drops] in control.py: what drops applied in an RRef's ``__del__`` decided and
+        #: no thread has sent yet (``try_user_dropped`` / ``take_dropped``): the deletes per
+        #: owner, [(rref id, fork id), ...], and the other actions (child accepts)
+        self._unsent_deletes: dict[int, list[tuple[RRefId, ForkId]]] = {}
+        self._unsent: list[Action] = []
 
     # ------------------------------------------------------------------ user side
     def new_remote_user(self, owner: int, type_name: str = "object", timeout: float = 0.0) -> UserRecord:
@@ -194,22 +204,6 @@ class RRefContext(ContextAudit):
             return []
         self.deleting_users[rec.fork_id] = rec
         return [UserDelete(rec.owner, rec.rref_id, rec.fork_id)]
-
-    def user_dropped(self, fork_id: ForkId) -> list[Action]:
-        """The Python object of a user fork went away (its __del__ enqueued this)."""
-        return self.users_dropped((fork_id,))
-
-    def users_dropped(self, fork_ids: Any) -> list[Action]:
-        """``user_dropped`` for several forks under one lock (NOTE [Drops] in control.py)."""
-        actions: list[Action] = []
-        with self._lock:
-            pending, confirmed = self.pending_users, self.confirmed_users
-            for fork_id in fork_ids:
-                rec = pending.get(fork_id) or confirmed.get(fork_id)
-                if rec is not None and rec.alive:
-                    rec.alive = False
-                    actions += self._maybe_delete(rec)
-        return actions
 
     def on_user_delete_ack(self, fork_id: ForkId) -> None:
         self.on_user_deletes_ack((fork_id,))
@@ -421,11 +415,29 @@ class RRefContext(ContextAudit):
 
     def on_user_deletes(self, deletes: Any) -> list[Action]:
         """Several RREF_USER_DELETE at once (``messages.UserDeletes``), in their order, under
-        one lock: the owner's count drops for all of them at once (the benchmark's drain)."""
+        one lock: the owner's count drops for all of them at once (the benchmark's drain).
+        The usual case - the last fork of a created value with its value set - is inlined
+        (``_user_delete`` does the same, slower); one notify for the batch."""
         actions: list[Action] = []
+        owners, forks_of, tombs, released = self.owners, self.forks, self.deleted_forks, self.released
+        freed: list[OwnerRecord] = []
         with self._lock:
             for rref_id, fork_id in deletes:
-                actions += self._user_delete(rref_id, fork_id)
+                forks = forks_of.get(rref_id)
+                if forks is not None and len(forks) == 1 and fork_id in forks:
+                    rec = owners.get(rref_id)
+                    if rec is not None and rec.created and rec.state != PENDING:
+                        tombs.add(fork_id)
+                        del forks_of[rref_id], owners[rref_id]
+                        released.add(rec.rref_id)
+                        freed.append(rec)
+                        continue
+                # decoded ids may be plain (worker, n) tuples (messages._deletes)
+                actions += self._user_delete(_id(rref_id), _id(fork_id))
+            if freed:
+                self._changed.notify_all()
+        if freed:
+            actions.append(Release(freed[0]) if len(freed) == 1 else Releases(freed))
         return actions
 
     def _user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
@@ -476,6 +488,8 @@ class RRefContext(ContextAudit):
         with self._lock:
             self.dead.add(peer)
             actions: list[Action] = []
+            self._unsent_deletes.pop(peer, None)  # decided in a __del__, not sent: G3 covers them
+            self._unsent = [a for a in self._unsent if getattr(a, "dest", None) != peer]
             for rid in list(self.forks):
                 for fid in [f for f, holder in self.forks[rid].items() if holder == peer]:
                     actions += self._drop_fork(rid, fid)

@@ -17,7 +17,7 @@ from .ids import ForkId, RRefId
 PENDING, READY, FAILED = "pending", "ready", "failed"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True, weakref_slot=True)
 class OwnerRecord:
     """The value of an RRef on its owner."""
 
