@@ -79,7 +79,7 @@ class Caller:
             target = args[0]
             owner_of = lambda: repr(target)  # noqa: E731
         deletes = self.flush_drops(dest) if rt.control.drops else ()  # NOTE [Drops]
-        msg = PythonCall(dest, tuple(ForkData.from_wire(f) for f in forks), deletes)
+        msg = PythonCall(dest, tuple(forks), deletes)  # ForkData (``dumps``)
         self.send_request(msg, frames, rt.timeout(timeout), fut, what, forks, owner_of, flush=False)
         return fut
 
@@ -98,7 +98,7 @@ class Caller:
         dest = rt.worker_info(to).id
         tname = func.__qualname__ if isinstance(func, type) else "object"
         frames, forks = self.dumps_call(func, args, kwargs, dest)
-        fork_data = tuple(ForkData.from_wire(f) for f in forks)
+        fork_data = tuple(forks)
         if dest == rt.info.id:
             rec = rt.ctx.new_local_owner(_NO_VALUE, tname)
             msg = RemoteRequest(dest, rec.rref_id, rec.rref_id, tname, fork_data)
@@ -191,10 +191,13 @@ class Caller:
         plan, peer = rt.devices, rt.worker_name(dest)  # a member may leave meanwhile (dynamic groups)
         route = None if plan is None else (plan.reply_route(peer) if reply else plan.request_route(peer))
         try:
-            return ser.dumps(obj, lambda r: self.fork(r, dest), route=route)
+            frames, forks = ser.dumps(obj, lambda r: self.fork(r, dest), route=route)
         except Exception as e:
             self.abort_forks(getattr(e, "forks", []))
             raise
+        # a request's forks stay ForkData (its message encodes them once); a reply's go in
+        # the answer's meta as they are
+        return frames, [f.to_wire() for f in forks] if reply and forks else forks
 
     def send_request(
         self, msg: PythonCall | Fetch, frames: Any, timeout: float, fut: Future[Any], what: Callable[[], str],
@@ -277,13 +280,14 @@ class Caller:
             raise RpcError(f"{rref!r} belongs to another (shut down) RPC group")
         rref._check()
         if rref._owner_rec is not None:
-            return rt.ctx.fork_owned(rref._owner_rec, dest).to_wire()
-        return rt.ctx.fork_user(rref._user_rec, dest).to_wire()  # type: ignore[arg-type]
+            return rt.ctx.fork_owned(rref._owner_rec, dest)
+        return rt.ctx.fork_user(rref._user_rec, dest)  # type: ignore[arg-type]
 
     def abort_forks(self, forks: list[Any]) -> None:
-        """The message carrying these forks (wire form) was never sent."""
+        """The message carrying these forks (ForkData, or the wire form of a reply's) was
+        never sent."""
         for f in forks:
-            self.rt.control.perform(self.rt.ctx.abort_fork(ForkData.from_wire(f)))
+            self.rt.control.perform(self.rt.ctx.abort_fork(f if type(f) is ForkData else ForkData.from_wire(f)))
 
     def rrefs_from_forks(self, forks: Sequence[ForkData], src: int, lazy: bool = False) -> list[RRef[Any]]:
         """RRef objects for the forks a message from ``src`` carried (no user code); the

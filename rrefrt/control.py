@@ -468,7 +468,7 @@ class ControlLoop:
         else:
             raise TypeError(f"{type(msg).__name__} is not handled by the control thread")
         rt.callee.ack(src, msg_id, msg)
-        self._perform(actions)
+        self.perform(actions)  # batched: the parents a ChildAccepts frees delete in one message
 
     def _on_acked(self, item: Acked) -> None:
         msg, err, ctx = item.msg, item.error, self.rt.ctx

@@ -102,6 +102,12 @@ class RRefContext(ContextAudit, ContextDrops):
         self._unsent_deletes: dict[int, list[tuple[RRefId, ForkId]]] = {}
         self._unsent: list[Action] = []
 
+    def _notify(self) -> None:
+        """Under the lock: wake the waiters of ``_changed`` - if there are any (an empty
+        ``notify_all`` costs about 0.7 us, and forks and drops change the maps per RRef)."""
+        if self._changed._waiters:  # type: ignore[attr-defined]
+            self._changed.notify_all()
+
     # ------------------------------------------------------------------ user side
     def new_remote_user(self, owner: int, type_name: str = "object", timeout: float = 0.0) -> UserRecord:
         """remote() to another worker: a pending user whose fork id is the RRef id."""
@@ -139,7 +145,7 @@ class RRefContext(ContextAudit, ContextDrops):
                 return []  # its children still need the parent's fork: it stays pending
             del self.pending_users[fork_id]
             rec.confirmed, rec.alive = True, False
-            self._changed.notify_all()
+            self._notify()
             if rec.owner in self.dead:
                 return []
             self.deleting_users[fork_id] = rec
@@ -155,7 +161,7 @@ class RRefContext(ContextAudit, ContextDrops):
                 return
             del self.pending_users[fork_id]
             rec.error = rec.error or error
-            self._changed.notify_all()
+            self._notify()
 
     def on_fork_request_ack(self, fork_id: ForkId) -> list[Action]:
         with self._lock:
@@ -185,7 +191,7 @@ class RRefContext(ContextAudit, ContextDrops):
         del self.pending_users[rec.fork_id]
         rec.confirmed = True
         self.confirmed_users[rec.fork_id] = rec
-        self._changed.notify_all()
+        self._notify()
         return self._maybe_delete(rec)
 
     def _maybe_delete(self, rec: UserRecord) -> list[Action]:
@@ -195,7 +201,7 @@ class RRefContext(ContextAudit, ContextDrops):
         if not rec.registered:
             if rec.alive or rec.children or self.pending_users.pop(rec.fork_id, None) is None:
                 return []
-            self._changed.notify_all()
+            self._notify()
             return [] if rec.parent in self.dead else [ChildAccept(rec.parent, rec.fork_id)]
         if rec.alive or not rec.confirmed or rec.children or rec.fork_id not in self.confirmed_users:
             return []
@@ -213,7 +219,7 @@ class RRefContext(ContextAudit, ContextDrops):
         with self._lock:
             deleting = self.deleting_users
             if sum(deleting.pop(fid, None) is not None for fid in fork_ids):
-                self._changed.notify_all()
+                self._notify()
 
     def on_child_accept(self, fork_id: ForkId) -> list[Action]:
         return self.on_child_accepts((fork_id,))
@@ -222,14 +228,17 @@ class RRefContext(ContextAudit, ContextDrops):
         """RREF_CHILD_ACCEPT(S): these children accepted; one lock for all of them."""
         actions: list[Action] = []
         with self._lock:
+            accepted = False
             for fork_id in fork_ids:
                 entry = self.pending_children.pop(fork_id, None)
                 if entry is None:
                     continue
                 parent, _ = entry
                 parent.children -= 1
-                self._changed.notify_all()
+                accepted = True
                 actions += self._maybe_delete(parent)
+            if accepted:
+                self._notify()
         return actions
 
     # ------------------------------------------------------------------ forks in messages
@@ -381,7 +390,7 @@ class RRefContext(ContextAudit, ContextDrops):
             else:
                 rec.state, rec.error = FAILED, error
             waiters, rec.waiters = rec.waiters, []
-            self._changed.notify_all()
+            self._notify()
             actions: list[Action] = [ServeFetch(src, mid, rec) for src, mid in waiters]
             if not self.forks.get(rec.rref_id) and self.owners.get(rec.rref_id) is rec and rec.created:
                 del self.owners[rec.rref_id]
@@ -435,7 +444,7 @@ class RRefContext(ContextAudit, ContextDrops):
                 # decoded ids may be plain (worker, n) tuples (messages._deletes)
                 actions += self._user_delete(_id(rref_id), _id(fork_id))
             if freed:
-                self._changed.notify_all()
+                self._notify()
         if freed:
             actions.append(Release(freed[0]) if len(freed) == 1 else Releases(freed))
         return actions
@@ -451,7 +460,7 @@ class RRefContext(ContextAudit, ContextDrops):
             rec.state = FAILED
             rec.error = RRefCreationError(f"RRef creation failed: the creation of RRef {rref_id} never arrived")
             waiters, rec.waiters = rec.waiters, []
-            self._changed.notify_all()
+            self._notify()
             return [ServeFetch(src, mid, rec) for src, mid in waiters]
         return self._drop_fork(rref_id, fork_id)
 
@@ -463,7 +472,7 @@ class RRefContext(ContextAudit, ContextDrops):
             return []
         del self.forks[rref_id]
         rec = self.owners.get(rref_id)
-        self._changed.notify_all()
+        self._notify()
         if rec is None:
             return []
         if rec.state == PENDING and not rec.created:
@@ -523,7 +532,7 @@ class RRefContext(ContextAudit, ContextDrops):
                     if rec.owner == peer:
                         rec.error = rec.error or err
                         del table[fid]
-            self._changed.notify_all()
+            self._notify()
             return actions
 
     # ------------------------------------------------------------------ shutdown

@@ -108,16 +108,31 @@ def test_piggybacked_deletes_are_an_optional_last_field() -> None:
     """NOTE [Piggybacked deletes]: absent when there are none (the header is as before),
     refused when empty, malformed or followed by more."""
     assert len(PythonCall(0, ()).meta()) == 1 and len(RemoteRequest(0, RID, FID, "t").meta()) == 4
-    pair = [GOOD_ID, GOOD_ID]
-    for bad in ([], [[GOOD_ID]], [pair, "x"], "x", [[GOOD_ID, "x"]]):
+    pair = [*GOOD_ID, *GOOD_ID]
+    for bad in ([], [[GOOD_ID]], [*pair, "x"], "x", [[GOOD_ID, "x"]], [GOOD_ID, GOOD_ID], [1, 2, 3],
+                [1, 2, 3, True], [1, 2, 3, 4.0], [1, 2, 3, None]):
         with pytest.raises(MalformedMessage):
             decode(PythonCall.KIND, [[], bad], 0)
         with pytest.raises(MalformedMessage):
             decode(RemoteRequest.KIND, [GOOD_ID, GOOD_ID, "t", [], bad], 0)
     with pytest.raises(MalformedMessage):
-        decode(PythonCall.KIND, [[], [pair], 0], 0)
+        decode(PythonCall.KIND, [[], pair, 0], 0)
     with pytest.raises(MalformedMessage):
-        decode(RemoteRequest.KIND, [GOOD_ID, GOOD_ID, "t", [], [pair], 0], 0)
+        decode(RemoteRequest.KIND, [GOOD_ID, GOOD_ID, "t", [], pair, 0], 0)
+
+
+def test_deletes_travel_as_four_ints_each() -> None:
+    """RREF_USER_DELETES and piggybacked deletes are flat int lists on the wire (an owner
+    checks and decodes a thousand in whole-list calls); decoded ids equal the ids."""
+    other = ForkId(3, 5)
+    msg = UserDeletes(0, ((RID, FID), (FID, other)))
+    assert msg.meta() == [*RID, *FID, *FID, *other]
+    assert PythonCall(0, (), msg.deletes).meta()[1] == msg.meta()
+    got = decode(UserDeletes.KIND, msg.meta(), 0)
+    assert got == msg and {got.deletes[0][0]: 1}[RID] == 1  # hash and equality of ids
+    for bad in ([], [1, 2, 3], [1, 2, 3, True], [1, 2, 3, "4"], [[1, 2], [3, 4]], 5):
+        with pytest.raises(MalformedMessage):
+            decode(UserDeletes.KIND, bad, 0)
 
 
 def test_unknown_kinds() -> None:

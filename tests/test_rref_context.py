@@ -1088,3 +1088,46 @@ def test_child_accepts_to_one_parent_are_batched() -> None:
     assert a.on_child_accepts([k.fork_id for k in kids] + [kids[0].fork_id]) == []
     assert parent.children == 0 and a.counts()["num_pending_children"] == 0
     a.validate()
+
+
+def test_a_batch_of_deletes_ends_as_the_same_deletes_one_by_one() -> None:
+    """The owner's batch (``on_user_deletes``: the last fork of a ready value inlined, ids
+    as the plain tuples the wire decodes to) leaves the context as the deletes applied one by
+    one do, for every kind of record: ready values (freed together, one ``Releases``), a
+    value with another fork, a creation still running, a placeholder whose creation may
+    come, a creation given up as lost, a duplicate and an unknown fork."""
+    from rrefrt.messages import Releases
+
+    def owner() -> tuple[RRefContext, list[tuple[Any, Any]]]:
+        b = new_ctx(1)
+        deletes = []
+        for i in range(3):  # ready values with one fork each
+            rid = RRefId(0, i + 1)
+            b.set_value(b.on_remote_request(rid, rid, 0, "int"), i)
+            deletes.append((rid, rid))
+        two = RRefId(0, 10)  # a ready value with a second fork: stays
+        b.set_value(b.on_remote_request(two, two, 0, "int"), 10)
+        b.on_fork_request(two, ForkId(2, 1), 2)
+        running = RRefId(0, 11)  # its creation still runs: released by set_value later
+        b.on_remote_request(running, running, 0, "int")
+        held = RRefId(0, 12)  # a placeholder made by a fork request; its creation may come
+        b.on_fork_request(held, ForkId(2, 2), 2)
+        b.on_fork_request(held, ForkId(2, 3), 2)
+        lost = RRefId(0, 13)  # a fetch made a placeholder; its creator gives the creation up
+        assert b.on_fetch(lost, 2, 7) is None
+        deletes += [(two, two), (running, running), (held, ForkId(2, 2)), (lost, lost),
+                    (RRefId(0, 1), RRefId(0, 1)), (RRefId(0, 99), ForkId(0, 99))]
+        return b, deletes
+
+    one, deletes = owner()
+    singly = [a for rid, fid in deletes for a in one.on_user_delete(rid, fid)]
+    batch, deletes = owner()
+    got = batch.on_user_deletes(tuple((tuple(rid), tuple(fid)) for rid, fid in deletes))
+    assert [type(a).__name__ for a in got] == ["ServeFetch", "Releases"]
+    assert [r.rref_id for r in got[1].records] == [RRefId(0, i) for i in (1, 2, 3)]
+    assert [type(a).__name__ for a in singly] == ["Release"] * 3 + ["ServeFetch"]
+    assert got[0].record.state == singly[3].record.state == FAILED
+    assert batch.owners.keys() == one.owners.keys() and batch.forks == one.forks
+    assert batch.deleted_forks == one.deleted_forks and batch.released == one.released
+    _validate(batch)
+    _validate(one)

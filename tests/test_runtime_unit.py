@@ -504,6 +504,35 @@ def test_a_burst_of_drops_wakes_the_control_thread_once_and_a_call_waits_for_a_f
     poll_for(lambda: w0.ctx.counts() == dict.fromkeys(w0.ctx.counts(), 0), 5, lambda: w0.ctx.counts())
 
 
+def test_drops_are_applied_in_the_destructor_and_their_deletes_ride_in_one_call(group: Group) -> None:
+    """NOTE [Drops]: an RRef's __del__ applies its drop to the context when the context's
+    lock is free (one held by this very thread - the garbage collector inside the context -
+    queues the fork id instead); the next call to the owner takes every delete to it (over
+    the old 512 cap) and carries them: the owner applies them as one batch before the
+    call, and no RREF_USER_DELETES of their own is sent."""
+    w0, w1 = group.rts[0], group.rts[1]
+    w0.control.stop(5.0)  # nothing flushes behind the test's back
+    batches: list[int] = []
+    real = w1.ctx.on_user_deletes
+    w1.ctx.on_user_deletes = lambda deletes: batches.append(len(deletes)) or real(deletes)  # type: ignore[method-assign]
+    with group.as_worker(0):
+        base = rrefrt.rpc_sync("w1", owned_here)
+        refs = [rrefrt.remote("w1", add, args=(i, i)) for i in range(600)]
+        for r in refs:
+            poll_for(r.confirmed_by_owner, 5)
+        held = refs.pop()
+        fid = held._user_rec.fork_id
+        with w0.ctx._lock:  # as if the collector ran the destructor inside the context
+            del held, r
+            assert list(w0.control.drops) == [fid]
+        assert w0.ctx.counts()["num_confirmed_users"] == 600
+        del refs
+        assert w0.ctx.counts()["num_deleting_users"] == 599  # applied, not sent
+        assert rrefrt.rpc_sync("w1", owned_here) == base
+        assert batches == [600]
+    poll_for(lambda: w0.ctx.counts() == dict.fromkeys(w0.ctx.counts(), 0), 5, lambda: w0.ctx.counts())
+
+
 def test_release_rrefs_collects_garbage_only_for_strict_leak_checks(group: Group, monkeypatch: Any) -> None:
     """Shutdown deletes every user fork, referenced or not: a full gc.collect() (~95 ms per
     rank with torch loaded) is needed only to tell live RRefs from garbage in strict mode."""
