@@ -382,11 +382,15 @@ class ControlLoop:
         self.perform([UserDeletes(dest, deletes)])
 
     def _on_flush(self, item: FlushDrops) -> None:
-        """A drop woke this thread: flush ``DROP_DELAY`` from now (``_run``), not at once, so
-        that the drops of a burst - or of a loop that drops one RRef per call - share one
-        wake-up, and most of them leave with the program's next call anyway."""
+        """A drop woke this thread: send what the drops so far decided at once - the first
+        batch, small or not: its owner starts on it while the program may still be dropping
+        (the rest of a ``del``, a garbage collection) - then flush every ``DROP_DELAY`` while
+        drops keep coming (``_run``), so that the rest of a burst - or of a loop that drops
+        one RRef per call - shares this wake-up, and most of it leaves with the program's
+        next call anyway."""
         self._flush_queued = False
         self._batching = True  # before ``_flush_queued`` is read again: see ``drop``
+        self.flush_drops()
 
     def _on_sync(self, item: Sync) -> None:
         self.flush_drops()  # "everything enqueued so far" includes the drops
