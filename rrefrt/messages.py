@@ -118,14 +118,9 @@ class ForkData:
     @classmethod
     def from_wire(cls, data: Any) -> "ForkData":
         rid, fid, owner, parent, tname = data
-        if type(owner) is not int or type(parent) is not int or type(tname) is not str \
-                or type(rid) is not list or type(fid) is not list or set(map(type, rid + fid)) != {int} \
-                or len(rid) != 2 or len(fid) != 2:
+        if type(owner) is not int or type(parent) is not int or type(tname) is not str:
             raise ValueError("bad fork data")
-        return cls(_new_id(RRefId, rid), _new_id(ForkId, fid), owner, parent, tname)
-
-
-_new_id = tuple.__new__
+        return cls(RRefId.from_wire(rid), ForkId.from_wire(fid), owner, parent, tname)
 
 
 def _forks(raw: Any) -> tuple[ForkData, ...]:
