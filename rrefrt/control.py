@@ -234,6 +234,9 @@ FLUSH_WAIT = 2.0
 #: NOTE [Drops]: the most a drop waits for the control thread once it is awake (its
 #: deletes usually leave sooner, with the program's next call)
 DROP_DELAY = 0.02
+#: NOTE [Drops]: the drops that a wake-up of the control thread sends at once (fewer wait
+#: for ``DROP_DELAY`` or the program's next call)
+FIRST_BATCH = 32
 #: the control thread's wait when it has nothing to do (it re-checks ``_stop``)
 IDLE_WAIT = 0.5
 
@@ -382,15 +385,16 @@ class ControlLoop:
         self.perform([UserDeletes(dest, deletes)])
 
     def _on_flush(self, item: FlushDrops) -> None:
-        """A drop woke this thread: send what the drops so far decided at once - the first
-        batch, small or not: its owner starts on it while the program may still be dropping
-        (the rest of a ``del``, a garbage collection) - then flush every ``DROP_DELAY`` while
-        drops keep coming (``_run``), so that the rest of a burst - or of a loop that drops
-        one RRef per call - shares this wake-up, and most of it leaves with the program's
-        next call anyway."""
+        """A drop woke this thread: if the drops so far add up to ``FIRST_BATCH`` or more
+        actions, send them at once - their owner starts on them while the program may still
+        be dropping (the rest of a ``del``, a garbage collection); then flush every
+        ``DROP_DELAY`` while drops keep coming (``_run``), so that the rest of a burst - or a
+        loop that drops one RRef per call, whose deletes ride in its next call - shares this
+        wake-up."""
         self._flush_queued = False
         self._batching = True  # before ``_flush_queued`` is read again: see ``drop``
-        self.flush_drops()
+        if self.rt.ctx.unsent_count + len(self.drops) >= FIRST_BATCH:
+            self.flush_drops()
 
     def _on_sync(self, item: Sync) -> None:
         self.flush_drops()  # "everything enqueued so far" includes the drops

@@ -29,6 +29,8 @@ class ContextDrops:
     confirmed_users: dict[ForkId, UserRecord]
     _unsent_deletes: dict[int, list[tuple[RRefId, ForkId]]]
     _unsent: list[Action]
+    #: how many actions wait for ``take_dropped`` (read without the lock: a hint)
+    unsent_count: int = 0
 
     def _maybe_delete(self, rec: UserRecord) -> list[Action]:  # the context's (G1)
         raise NotImplementedError
@@ -79,6 +81,7 @@ class ContextDrops:
                     self._keep_unsent(self._maybe_delete(rec))
             deletes, self._unsent_deletes = self._unsent_deletes, {}
             other, self._unsent = self._unsent, []
+            self.unsent_count = 0
         return deletes, other
 
     def _keep_unsent(self, actions: list[Action]) -> None:
@@ -88,3 +91,4 @@ class ContextDrops:
                 self._unsent_deletes.setdefault(a.dest, []).append((a.rref_id, a.fork_id))
             else:
                 self._unsent.append(a)
+        self.unsent_count += len(actions)

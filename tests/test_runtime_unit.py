@@ -534,16 +534,16 @@ def test_drops_are_applied_in_the_destructor_and_their_deletes_ride_in_one_call(
 
 
 def test_the_first_drops_of_a_burst_leave_when_they_wake_the_control_thread(group: Group, monkeypatch: Any) -> None:
-    """NOTE [Drops]: the drop that wakes the control thread is sent at once (the owner
-    starts on it while the program may still be dropping or collecting); only the drops
-    that come while it batches wait for ``DROP_DELAY``."""
+    """NOTE [Drops]: a burst of drops (``FIRST_BATCH`` or more) that wakes the control
+    thread is sent at once (the owner starts on it while the program may still be dropping
+    or collecting); only the drops that come while it batches wait for ``DROP_DELAY``."""
     import rrefrt.control as control
 
     monkeypatch.setattr(control, "DROP_DELAY", 60.0)  # a tick would come too late for the test
     w0 = group.rts[0]
     with group.as_worker(0):
         base = rrefrt.rpc_sync("w1", owned_here)
-        refs = [rrefrt.remote("w1", add, args=(i, i)) for i in range(3)]
+        refs = [rrefrt.remote("w1", add, args=(i, i)) for i in range(control.FIRST_BATCH)]
         for r in refs:
             poll_for(r.confirmed_by_owner, 5)
         del refs, r
