@@ -2,8 +2,9 @@
 
 Owns: the control queue and its typed items, the control thread, the performance of every
 action the RRef context returns, and the retry policy of protocol messages (NOTE
-[Retries]). Imports from rrefrt: errors, ids, messages, pool, rref_context (types only). It reaches
-the runtime it serves through the ``rt`` it is given (no module state).
+[Retries]). Imports from rrefrt: errors, ids, messages, pool, rref_drops (constants),
+rref_context (types only). It reaches the runtime it serves through the ``rt`` it is given
+(no module state).
 
 Rule 1: user code never runs on the control thread: no unpickling of payloads, no pickling
         of values, no value destructors. Work that may run user code is handed to the
@@ -71,6 +72,7 @@ import transport
 from .errors import RpcError
 from .ids import ForkId
 from .pool import current_pool
+from .rref_drops import DONE, KEPT
 from .messages import (
     Action,
     ChildAccept,
@@ -289,7 +291,8 @@ class ControlLoop:
         this thread holds the context lock): apply the drop to the context at once if its lock
         is free (``try_user_dropped``, a non-blocking acquire: the deletes it decides wait in
         the context, marked by one ``_APPLIED`` in ``drops``), else remember the fork id; then
-        wake the control thread unless a wake-up is already queued. Never waits for a lock,
+        wake the control thread unless a wake-up is already queued (none when the applied
+        drop decided nothing to send). Never waits for a lock,
         never sends (a deque append and at most one SimpleQueue put).
 
         Applying here, not at the flush, moves the per-RRef work of a burst of drops (the
@@ -304,7 +307,10 @@ class ControlLoop:
         if it reads False, this drop queues one itself (two threads may both queue one: a
         spare flush finds the deque empty)."""
         drops = self.drops
-        if self.rt.ctx.try_user_dropped(fork_id):
+        done = self.rt.ctx.try_user_dropped(fork_id)
+        if done == DONE:
+            return  # applied, nothing to send: no wake-up
+        if done == KEPT:
             if not len(drops):  # a marker: "something to send" (``flush_drops`` skips it)
                 drops.append(_APPLIED)
         else:

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from .ids import ForkId, RRefId
 
 
+#: ``try_user_dropped``: the lock was busy / actions kept / nothing to send
+BUSY, KEPT, DONE = 0, 1, 2
+
+
 class ContextDrops:
     """The drop events of ``RRefContext`` (the maps are its own; see its ``__init__``)."""
 
@@ -51,22 +55,25 @@ class ContextDrops:
                     actions += self._maybe_delete(rec)
         return actions
 
-    def try_user_dropped(self, fork_id: ForkId) -> bool:
+    def try_user_dropped(self, fork_id: ForkId) -> int:
         """``user_dropped`` from an RRef's ``__del__``, only if the lock is free right now: it
         never waits (the garbage collector may run a destructor on a thread that holds the
         lock). What it decides is kept for ``take_dropped``: nothing is sent from a
-        destructor. False: nothing done, the caller queues the drop (NOTE [Drops] in
-        control.py)."""
+        destructor. Returns ``BUSY`` (nothing done: the caller queues the drop), ``KEPT``
+        (actions wait for ``take_dropped``) or ``DONE`` (nothing to send: the fork was gone
+        already, or still waits for its owner or its children) - NOTE [Drops] in control.py."""
         if not self._lock.acquire(False):
-            return False
+            return BUSY
         try:
             rec = self.pending_users.get(fork_id) or self.confirmed_users.get(fork_id)
-            if rec is not None and rec.alive:
-                rec.alive = False
-                self._keep_unsent(self._maybe_delete(rec))
+            if rec is None or not rec.alive:
+                return DONE
+            rec.alive = False
+            actions = self._maybe_delete(rec)
+            self._keep_unsent(actions)
         finally:
             self._lock.release()
-        return True
+        return KEPT if actions else DONE
 
     def take_dropped(self, fork_ids: Any) -> tuple[dict[int, list[tuple[RRefId, ForkId]]], list[Action]]:
         """``users_dropped(fork_ids)`` plus everything ``try_user_dropped`` kept, under one
