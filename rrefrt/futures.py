@@ -66,6 +66,9 @@ __all__ = ["Future", "wait_all", "collect_all", "FutureAlreadyCompletedError", "
 T = TypeVar("T")
 
 _DONE = (_cf.CANCELLED, _cf.CANCELLED_AND_NOTIFIED, _cf.FINISHED)
+_FINISHED = _cf.FINISHED
+_RLock = threading.RLock
+_Lock = threading.Lock
 #: torch's phrase, which torch programs match on
 _TWICE = "Attempting to mark a completed Future as complete again. Note that a Future can only be marked completed once."
 
@@ -157,9 +160,32 @@ class Future(concurrent.futures.Future, Generic[T]):
         return super().__new__(cls)  # type: ignore[misc]
 
     def __init__(self, *, devices: Any = None) -> None:
-        super().__init__()
-        self._decode_lock = threading.Lock()
+        # NOTE [Lazy condition]: concurrent.futures.Future.__init__ is not called: the state
+        # lock is a bare RLock, the Condition around it is built on first need
+        self._state = _cf.PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+        self._lock = _RLock()
+        self._cond: threading.Condition | None = None
+        self._decode_lock = _Lock()
         self._callback_pool: WorkerPool | None = None
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        """The stdlib's Condition over this future's state lock, built on first use
+        (NOTE [Lazy condition]): a thread that waits, or ``concurrent.futures.wait``."""
+        cond = self._cond
+        if cond is None:
+            with self._lock:
+                cond = self._cond
+                if cond is None:
+                    cond = self._cond = threading.Condition(self._lock)
+        return cond
+
+    def done(self) -> bool:
+        return self._state in _DONE
 
     # -- torch's API
     def wait(self, timeout: float | None = None) -> T:
@@ -205,27 +231,61 @@ class Future(concurrent.futures.Future, Generic[T]):
         """Run ``fn(self)`` once done (at once, inline, if it is); errors it raises are logged."""
         if not callable(fn):
             raise _not_callable("add_done_callback", fn)
-        super().add_done_callback(fn)
+        with self._lock:
+            if self._state not in _DONE:
+                self._done_callbacks.append(fn)
+                return
+        try:
+            fn(self)
+        except Exception:
+            _cf.LOGGER.exception("exception calling callback for %r", self)
 
     def set_result(self, result: Any) -> None:
-        try:
-            super().set_result(result)
-        except concurrent.futures.InvalidStateError:
-            raise FutureAlreadyCompletedError(_TWICE) from None
+        if not self._settle(result, None):
+            raise FutureAlreadyCompletedError(_TWICE)
+        self._invoke_callbacks()
 
     def set_exception(self, exception: Any) -> None:
         if not isinstance(exception, BaseException):
             raise _NotAnException(f"{exception} is of type {type(exception)}, not an Exception.")
-        try:
-            super().set_exception(exception)
-        except concurrent.futures.InvalidStateError:
-            raise FutureAlreadyCompletedError(_TWICE) from None
+        if not self._settle(None, exception):
+            raise FutureAlreadyCompletedError(_TWICE)
+        self._invoke_callbacks()
+
+    def _settle(self, result: Any, exc: BaseException | None) -> bool:
+        """Complete the state under the lock and wake waiters; False if it was done (or
+        cancelled) already. The callbacks are the caller's to run."""
+        with self._lock:
+            if self._state in _DONE:
+                return False
+            self._result, self._exception, self._state = result, exc, _cf.FINISHED
+            if self._waiters:
+                for waiter in self._waiters:
+                    if exc is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+            cond = self._cond
+            if cond is not None:
+                cond.notify_all()
+        return True
 
     # -- stdlib contract, with lazy decoding and compensation of blocked pool threads
     # (result and exception repeat their wait on purpose: a shared helper would put a frame
     # holding this future into the stored error's traceback - a cycle that keeps RRefs alive)
     def result(self, timeout: float | None = None) -> T:
         try:
+            if self._state is _FINISHED:  # fast path: no lock (NOTE [Lazy condition])
+                r = self._result  # read before _exception: _decode writes them the other way round
+                if type(r) is _Lazy:
+                    return self._materialize(r)
+                exc = self._exception
+                if exc is None:
+                    return r
+                try:
+                    raise exc
+                finally:
+                    exc = None
             if not self.done():
                 pool = current_pool()
                 if pool is not None:
@@ -245,6 +305,11 @@ class Future(concurrent.futures.Future, Generic[T]):
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._state is _FINISHED:
+            r = self._result
+            if type(r) is _Lazy:
+                self._decode(r)  # never raises: the error is not raised on this thread
+            return self._exception
         if not self.done():
             pool = current_pool()
             if pool is not None:
@@ -266,7 +331,9 @@ class Future(concurrent.futures.Future, Generic[T]):
                 try:
                     self._result = lazy.decode()
                 except BaseException as e:
-                    self._result, self._exception = None, e.with_traceback(None)  # no cycle via this frame
+                    # _exception first: the lock-free readers (result) read _result first
+                    self._exception = e.with_traceback(None)  # no cycle via this frame
+                    self._result = None
 
     def _materialize(self, lazy: _Lazy) -> Any:
         self._decode(lazy)
@@ -304,16 +371,19 @@ class Future(concurrent.futures.Future, Generic[T]):
         self._finish(None, exc)
 
     def _finish(self, result: Any, exc: BaseException | None) -> None:
-        with self._condition:
+        with self._lock:
             if self._state in _DONE:
                 return
             self._result, self._exception, self._state = result, exc, _cf.FINISHED
-            for waiter in self._waiters:
-                if exc is None:
-                    waiter.add_result(self)
-                else:
-                    waiter.add_exception(self)
-            self._condition.notify_all()
+            if self._waiters:
+                for waiter in self._waiters:
+                    if exc is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+            cond = self._cond
+            if cond is not None:
+                cond.notify_all()
             has_callbacks = bool(self._done_callbacks)
             # NOTE [torch interop]: the C++ side is completed lazily, when torch asks for it
             torch_now = self._torch_side and (self._torch_wanted or self._callback_pool is None)
@@ -372,6 +442,7 @@ def _raise_copy(exc: BaseException) -> Any:
 
 
 _torch_cls: Any = None
+_NO_DEVICES: list[Any] = []
 _torch_cls_lock = threading.Lock()
 
 
@@ -402,7 +473,10 @@ def _build_torch_class(base: Any) -> Any:
 
             def __init__(self, *, devices: Any = None) -> None:
                 Future.__init__(self)
-                base.__init__(self, devices=devices)
+                if devices is None:  # what torch.futures.Future.__init__ does, minus a frame
+                    c_future.__init__(self, _NO_DEVICES)
+                else:
+                    base.__init__(self, devices=devices)
 
             def _invoke_callbacks(self) -> None:
                 self._mark_torch()
@@ -410,7 +484,7 @@ def _build_torch_class(base: Any) -> Any:
 
             def _mark_torch(self) -> None:
                 """Complete the C++ side, once (NOTE [torch interop])."""
-                with self._condition:
+                with self._lock:
                     if self._torch_marked:
                         return
                     self._torch_marked = True
@@ -442,7 +516,7 @@ def _want_torch_side(futures: Iterable[Any]) -> None:
     for f in futures:
         if getattr(f, "_torch_side", False) is not True or not isinstance(f, Future):
             continue
-        with f._condition:
+        with f._lock:
             f._torch_wanted = True
             done = f._state in _DONE
         if done:
