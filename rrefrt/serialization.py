@@ -39,6 +39,13 @@ from .errors import RemoteError, RpcError, SerializationError, rebuildable
 
 _tls = threading.local()
 _allowlist: frozenset[str] | None = None
+_torch: Any = None  #: torch once fully imported (``torchimport.loaded``): it stays so
+
+
+def _load_torch() -> Any:
+    global _torch
+    _torch = torchimport.loaded()
+    return _torch
 
 
 def set_unpickle_allowlist(names: Sequence[str] | None) -> None:
@@ -74,7 +81,7 @@ class _Pickler(pickle.Pickler):
         self._route = route
         self.forks: list[Any] = []
         self.fork_error: BaseException | None = None
-        self._torch = torchimport.loaded()
+        self._torch = _torch or _load_torch()
 
     def reducer_override(self, obj: Any) -> Any:
         if getattr(obj, "_rrefrt_is_rref", False):
