@@ -61,20 +61,7 @@ class WaitedFuture(Future[Any]):
 
 #: the meta of a plain successful answer (status OK, no forks): ``Response.decode`` skipped
 _PLAIN_OK = [OK, []]
-_NO_RREFS: list[Any] = []
-
-
-class _Payload:
-    """The lazy decode of a successful answer's payload (NOTE [Lazy results] in
-    rrefrt/futures.py): a callable, cheaper than a closure over two cells."""
-
-    __slots__ = ("frames", "rrefs")
-
-    def __init__(self, frames: Sequence[Any], rrefs: list[Any]) -> None:
-        self.frames, self.rrefs = frames, rrefs
-
-    def __call__(self) -> Any:
-        return ser.loads(self.frames, self.rrefs)
+_NO_RREFS: Any = ()  #: the RRefs of an answer that carried none (read only)
 
 
 class _Call:
@@ -301,7 +288,7 @@ class Caller:
         """Transport thread: decode the response meta once, account for the forks now,
         decode the payload lazily."""
         if type(meta) is list and meta == _PLAIN_OK and type(meta[0]) is int:  # no forks: the common case
-            fut._complete_lazy(_Payload(frames, _NO_RREFS))
+            fut._complete_lazy(ser.loads, frames, _NO_RREFS)
             return
         try:
             resp = Response.decode(meta)
@@ -310,7 +297,7 @@ class Caller:
             fut._fail(SerializationError(f"malformed response from worker {self.rt.worker_name(src)!r}: {e}"))
             return
         if resp.status == OK:
-            fut._complete_lazy(_Payload(frames, rrefs))
+            fut._complete_lazy(ser.loads, frames, rrefs)
         else:
             name = self.rt.worker_name(src)
 

@@ -131,10 +131,12 @@ class _NotAnException(TypeError, AssertionError):
 
 
 class _Lazy:
-    __slots__ = ("decode",)
+    """An undecoded result: ``decode(*args)`` gives the value (NOTE [Lazy results])."""
 
-    def __init__(self, decode: Callable[[], Any]) -> None:
-        self.decode = decode
+    __slots__ = ("decode", "args")
+
+    def __init__(self, decode: Callable[..., Any], args: tuple) -> None:
+        self.decode, self.args = decode, args
 
 
 def _not_callable(method: str, obj: Any) -> TypeError:
@@ -329,23 +331,22 @@ class Future(concurrent.futures.Future, Generic[T]):
         with self._decode_lock:
             if self._result is lazy:
                 try:
-                    self._result = lazy.decode()
+                    self._result = lazy.decode(*lazy.args)
                 except BaseException as e:
                     # _exception first: the lock-free readers (result) read _result first
                     self._exception = e.with_traceback(None)  # no cycle via this frame
                     self._result = None
 
     def _materialize(self, lazy: _Lazy) -> Any:
-        self._decode(lazy)
-        with self._decode_lock:
-            exc = self._exception
-            if exc is not None:
-                try:
-                    raise exc
-                finally:  # no cycle future -> error -> traceback -> this frame -> future
-                    self = None  # type: ignore[assignment]  # noqa: F841
-                    exc = None
-            return self._result
+        self._decode(lazy)  # done on return, by this thread or another (under the decode lock)
+        exc = self._exception
+        if exc is not None:
+            try:
+                raise exc
+            finally:  # no cycle future -> error -> traceback -> this frame -> future
+                self = None  # type: ignore[assignment]  # noqa: F841
+                exc = None
+        return self._result
 
     def __await__(self):  # type: ignore[override]
         return asyncio.wrap_future(self).__await__()
@@ -364,8 +365,9 @@ class Future(concurrent.futures.Future, Generic[T]):
         self._done_callbacks = []
 
     # -- completion by the runtime
-    def _complete_lazy(self, decode: Callable[[], Any]) -> None:
-        self._finish(_Lazy(decode), None)
+    def _complete_lazy(self, decode: Callable[..., Any], *args: Any) -> None:
+        """Complete with the result ``decode(*args)``, computed by its first reader."""
+        self._finish(_Lazy(decode, args), None)
 
     def _fail(self, exc: BaseException) -> None:
         self._finish(None, exc)
