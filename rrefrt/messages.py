@@ -144,6 +144,9 @@ def _deletes(raw: Any) -> tuple:
 
 
 # ---------------------------------------------------------------------------- messages
+_PLAIN_CALL_META: list[Any] = [[]]
+_plain_calls: dict[int, "PythonCall"] = {}  #: dest -> PythonCall(dest): a call with no forks, no deletes
+
 @dataclass(frozen=True, slots=True)
 class PythonCall:
     KIND: ClassVar[int] = 16
@@ -164,6 +167,11 @@ class PythonCall:
 
     @classmethod
     def decode(cls, dest: int, meta: list) -> "PythonCall":
+        if meta == _PLAIN_CALL_META and type(meta[0]) is list:  # no forks, no deletes: the common case
+            plain = _plain_calls.get(dest)
+            if plain is None:
+                plain = _plain_calls[dest] = cls(dest)
+            return plain  # immutable: one per destination, no allocation per call
         forks, *rest = meta
         if len(rest) > 1:
             raise ValueError("too many fields")

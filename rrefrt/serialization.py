@@ -170,10 +170,14 @@ def dumps(
 def loads(frames: Sequence[Any], rrefs: list[Any]) -> Any:
     if not frames:
         raise SerializationError("payload is missing")
-    bufs = [_as_buffer(fr) for fr in frames]
+    if len(frames) == 1 and type(frames[0]) is bytes:  # a stream alone (no tensor): the usual call
+        stream, bufs = frames[0], ()
+    else:
+        bufs = [_as_buffer(fr) for fr in frames]
+        stream, bufs = bufs[0], bufs[1:]
     _tls.rrefs = rrefs
     try:
-        return _Unpickler(io.BytesIO(bufs[0]), buffers=bufs[1:]).load()
+        return _Unpickler(io.BytesIO(stream), buffers=bufs).load()
     except RpcError:
         raise
     except Exception as e:
