@@ -126,8 +126,9 @@ class Loop:
         sock, reader = peer.sock, peer.reader
         got, drained = 0, False
         while not msgs:
+            target = reader.target()
             try:
-                n, anc, _flags, _ = sock.recvmsg_into([reader.target()], _ANC)
+                n, anc, _flags, _ = sock.recvmsg_into([target], _ANC)
             except (BlockingIOError, InterruptedError):
                 drained = True
                 break
@@ -152,6 +153,12 @@ class Loop:
             except unix_wire.ProtocolError as e:
                 self._declare_dead(peer, f"it broke the same-host framing ({e})")
                 return True
+            if n < len(target):
+                # a short read: the socket was empty, so no recv that would only say EAGAIN
+                # (a syscall, and a release of the GIL to the caller's thread, per wake); the
+                # selector is level-triggered and reports what arrives after this read
+                drained = True
+                break
         self.stats["bytes_received"] += got
         return drained
 
