@@ -33,6 +33,19 @@ callbacks, or none of a pool (a user's ``set_result``, ``then``), is marked when
 callbacks run, as before. Futures created before torch was imported stay plain (not
 accepted by torch's functions).
 
+NOTE [Lazy condition]: an ``rpc_async`` future is usually created, completed by the I/O
+thread and read once it is done; ``concurrent.futures.Future.__init__`` built a Condition
+(an RLock, a deque, four bound methods) for each, and every ``done``/``result`` took it.
+So ``__init__`` sets the stdlib's fields itself, the state lives under a bare RLock
+(``_lock``), and ``_condition`` - the name the stdlib's own methods and
+``concurrent.futures.wait`` use - is a property that builds the Condition over that lock on
+first use, under the lock (so two threads never build two). ``_finish``/``_settle`` change
+the state under ``_lock`` and notify the Condition only if one exists: a waiter builds it
+and checks the state under the same lock, so no wake-up is lost. ``done`` and the ``result``
+of a finished future read the state without a lock (one attribute read is atomic); a lazy
+result's decode writes ``_exception`` before ``_result`` and readers read ``_result``
+first, so a racing reader never takes a failed decode for a ``None`` value.
+
 NOTE [No cycle through a raised error]: a failed future stores its error, and ``result``/
 ``wait`` raise that object, so its traceback collects the frames it passes through. A
 frame there that still holds the future (``self``, a local ``fut``) closes a cycle
