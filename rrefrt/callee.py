@@ -30,7 +30,7 @@ from . import state
 from .devices import NO_SCOPE
 from .errors import RemoteSerializationError, SerializationError, ShutdownError
 from .functions import is_async_execution, when_future_done
-from .pool import PoolExhaustedError
+from .pool import InlineWaits, PoolExhaustedError, acting_as
 from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
 from .rref_context import FAILED, READY, OwnerRecord
 
@@ -56,6 +56,9 @@ class Callee:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
+        #: the transport's run_inline (NOTE [Inline calls]), looked up at the first call
+        self._inline: Callable[[Callable[[], None], Callable[[], None]], bool] | None = None
+        self._waits = InlineWaits(_no_hand_off)
 
     # ------------------------------------------------------------------ arrival (transport thread)
     def on_python_call(self, src: int, msg_id: int, msg: PythonCall, frames: Sequence[Any]) -> None:
@@ -82,11 +85,33 @@ class Callee:
             self.finish(src, msg, msg_id, rec, None, err)
             return
         rt.lifecycle.track_call(+1, src)
+        call = (src, msg, msg_id, frames, rrefs, rec)
+        inline = self._inline
+        if inline is None:
+            inline = self._inline = getattr(rt.transport, "run_inline", None) or _no_inline
+            self._waits = InlineWaits(getattr(rt.transport, "hand_off", _no_hand_off))
+        # NOTE [Inline calls] in transport/unix_lead.py: the thread that read it runs it
+        if not inline(lambda: self._run_inline(call), lambda: self._submit(call)):
+            self._submit(call)
+
+    def _submit(self, call: tuple) -> None:
+        rt = self.rt
         try:
-            rt.pool.submit(self.run_call, src, msg, msg_id, frames, rrefs, rec, reject_when_exhausted=True)
+            rt.pool.submit(self.run_call, *call, reject_when_exhausted=True)
         except PoolExhaustedError as e:  # the hard cap of the compensating pool: fail this call, typed
+            src, msg, msg_id, _frames, _rrefs, rec = call
             rt.lifecycle.track_call(-1, src)
             self.finish(src, msg, msg_id, rec, None, e)
+        except RuntimeError as e:  # a stopped pool (a queued inline call's fallback at close)
+            src, msg, msg_id, _frames, _rrefs, rec = call
+            rt.lifecycle.track_call(-1, src)
+            self.finish(src, msg, msg_id, rec, None, ShutdownError(f"worker {rt.info.name!r} is shutting down ({e})"))
+
+    def _run_inline(self, call: tuple) -> None:
+        """On the transport thread that read the call (NOTE [Inline calls]): as a pool task
+        does, bound to this runtime; rrefrt's waits hand the reading role on."""
+        with state.bound(self.rt), acting_as(self._waits):
+            self.run_call(*call)
 
     def _seen_before(self, src: int, msg_id: int) -> bool:
         """A PYTHON_CALL delivered twice must not run twice."""
@@ -286,6 +311,14 @@ def release_frames(exc: BaseException) -> None:
 def _run_loop(rt: Any, loop: asyncio.AbstractEventLoop) -> None:
     with state.bound(rt):
         loop.run_forever()
+
+
+def _no_inline(task: Callable[[], None], fallback: Callable[[], None]) -> bool:
+    return False
+
+
+def _no_hand_off() -> None:
+    pass
 
 
 def _settle(f: concurrent.futures.Future, done: Done) -> None:
