@@ -20,12 +20,14 @@ SERVED_WITHIN = 10.0
 
 
 @pytest.mark.timeout(120)
-def test_inline_calls_and_takeover() -> None:
+def test_inline_calls_and_takeover(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RREFRT_INLINE", "1")  # off by default for now (NOTE [Inline calls] (6))
     workers = Workers()
     port = free_port()
     opts = {"rpc_timeout": 60.0, "shutdown_timeout": 30.0}
     try:
-        workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": opts})
+        workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": opts},
+                      {"RREFRT_INLINE": "1"})
         rrefrt.init_rpc("w0", rank=0, world_size=2,
                         rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **opts))
         # 1. a quick call runs on the thread that read it (the unix receiver or its standby),

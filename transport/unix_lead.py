@@ -32,8 +32,11 @@ stall behind it):
    still leads, the standby takes over only while a task runs. Loop state (the selector,
    peers, timers) is touched by the leader alone; ``leader`` says who that is (a write on
    the leader's thread never blocks: Rule 1 of transport.unix).
-6. ``RREFRT_INLINE=0`` (or ``TransportConfig.extra["inline"]=False``) turns it off: every
-   call goes to the pool, as before (A/B measuring, a fallback).
+6. Off by default for now: ``RREFRT_INLINE=1`` (or ``TransportConfig.extra["inline"]=True``)
+   turns it on; off, every call goes to the pool as before. A paired A/B of two processes
+   showed a gain (rpc_sync p50 0.85x, 2.0 -> 1.2 context switches per call on the callee),
+   the benchmark on the loaded 2-core machine did not show it clearly (docs/performance.md,
+   "Inline calls on the callee"); turn it on by default once a quiet machine confirms it.
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ _ASLEEP, _WATCHING = 0, 1
 
 
 def inline_enabled(extra: dict[str, Any]) -> bool:
-    return bool(extra.get("inline", True)) and os.environ.get("RREFRT_INLINE", "1").strip().lower() not in (
-        "0", "false", "no", "off")
+    """Off unless ``extra["inline"]`` or ``RREFRT_INLINE=1`` (NOTE [Inline calls] (6))."""
+    if extra.get("inline") is not None:
+        return bool(extra["inline"])
+    return os.environ.get("RREFRT_INLINE", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 class Leadership:
