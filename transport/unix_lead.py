@@ -33,10 +33,11 @@ stall behind it):
    peers, timers) is touched by the leader alone; ``leader`` says who that is (a write on
    the leader's thread never blocks: Rule 1 of transport.unix).
 6. Off by default for now: ``RREFRT_INLINE=1`` (or ``TransportConfig.extra["inline"]=True``)
-   turns it on; off, every call goes to the pool as before. A paired A/B of two processes
-   showed a gain (rpc_sync p50 0.85x, 2.0 -> 1.2 context switches per call on the callee),
-   the benchmark on the loaded 2-core machine did not show it clearly (docs/performance.md,
-   "Inline calls on the callee"); turn it on by default once a quiet machine confirms it.
+   turns it on; off, every call goes to the pool as before. On the loaded 2-core machine
+   it cut the callee's context switches per call from 2.0 to 1.2, but the latency gain
+   (rpc_sync p50 0.92x over 26 paired rounds, 0.54-1.41) was within the noise
+   (docs/performance.md, "Inline calls on the callee"): turn it on by default once a
+   quiet machine shows the gain.
 """
 
 from __future__ import annotations
