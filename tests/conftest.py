@@ -6,8 +6,18 @@ import threading
 
 import pytest
 
-import rrefrt
-from tests.support import Workers, free_port
+# The suite starts several hundred Python processes (workers, launchers, examples, chaos
+# and close campaigns), each importing rrefrt, transport and tests/ afresh. Where the
+# environment sets PYTHONDONTWRITEBYTECODE=1 (this machine's and CI's do), each of them
+# compiled every one of those modules from source (~0.25 s of CPU a process, ~0.8 s of wall
+# time on the loaded 2-core machine). The processes the tests start may write and reuse
+# bytecode (in the usual git-ignored __pycache__ folders); RREFRT_TEST_BYTECODE=0 keeps
+# the environment as it is. This process's own flag is left alone.
+if os.environ.get("RREFRT_TEST_BYTECODE", "1") != "0":
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+import rrefrt  # noqa: E402
+from tests.support import Workers, free_port  # noqa: E402
 
 WORLD = 3
 
