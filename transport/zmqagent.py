@@ -4,9 +4,10 @@ Owns: the data socket, endpoint choice (``listen``), the join (HELLO exchange), 
 path (response correlation, dispatch to ``on_message``), peer death and fencing on the data
 loop, and the close sequence. The send path (size checks, lent frames, a request's
 registration and deadline, the fault hook, backlogs of messages not yet routable) is
-``transport.zmqsend`` (``SendPath``, a base class of ``ZmqTransport``). Liveness lives in ``transport.heartbeat`` (its own socket and thread) and
-``transport.liveness`` (the table); the join's authentication policy in
-``transport.joinpolicy``; the loop in ``transport.loop``. Imports only zmq, msgpack (through
+``transport.zmqsend`` (``SendPath``, a base class of ``ZmqTransport``). Liveness lives in
+``transport.heartbeat`` (its own socket and thread) and ``transport.liveness`` (the table);
+the join's authentication policy in ``transport.joinpolicy``; the mesh's plan and changes in
+``transport.zmqmesh``; the loop in ``transport.loop``. Imports only zmq, msgpack (through
 ``wire``) and the standard library; never torch, never rrefrt. Registered as ``"zmq"``.
 
 Rules:
