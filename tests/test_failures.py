@@ -41,41 +41,6 @@ TIMEOUT_SLACK = 0.5  #: a call with timeout T fails within [T, T + 0.5 s]
 SHUTDOWN_SLACK = 2.0  #: shutdown with a dead or stuck peer: shutdown_timeout + 2 s
 
 
-@pytest.fixture
-def group():
-    """``start(world, w0_options, peer_options)``: this process is w0, the others are
-    serving subprocesses (they wait in their own graceful shutdown, serving calls, until
-    w0 shuts down). Teardown closes w0's runtime and kills every child by pid."""
-    workers = Workers()
-
-    def start(world: int, w0_options: dict | None = None, peer_options: dict | None = None) -> dict:
-        base = {"rpc_timeout": 30.0, "shutdown_timeout": 30.0}
-        for attempt in range(3):
-            port = free_port()
-            procs = {}
-            for r in range(1, world):
-                procs[f"w{r}"] = workers.start({"name": f"w{r}", "rank": r, "world_size": world, "port": port,
-                                                "options": base | (peer_options or {})})
-            opts = rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **(base | (w0_options or {})))
-            try:
-                rrefrt.init_rpc("w0", rank=0, world_size=world, rpc_backend_options=opts)
-                return procs
-            except OSError as e:  # the free port was taken meanwhile (other tests run in parallel)
-                if "already in use" not in str(e) or attempt == 2:
-                    raise
-                for p in procs.values():
-                    workers.kill(p)
-        raise AssertionError("unreachable")
-
-    start.workers = workers  # type: ignore[attr-defined]
-    try:
-        yield start
-    finally:
-        if rrefrt.state.current_or_none() is not None:
-            rrefrt.shutdown(graceful=False)
-        workers.kill_all()
-
-
 def debug(key: str) -> int:
     return rrefrt.get_debug_info().get(key, 0)
 
