@@ -31,7 +31,7 @@ Rules:
    ``heartbeat_timeout`` is declared dead. Dead peers stay fenced: their requests fail with
    PeerUnavailable, their late bytes are never read.
 5. Fault injection: ``fault_hook`` has the semantics of NOTE [Fault injection] in
-   ``transport.agent``; while a hook is installed every frame travels inline (no segment
+   ``transport.zmqsend``; while a hook is installed every frame travels inline (no segment
    is lent twice by a duplicated message).
 """
 
