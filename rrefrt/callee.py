@@ -6,9 +6,11 @@ event loop thread), replies and acknowledgements, and serving fetches (pickling 
 Imports from rrefrt: errors, messages, rref_context, serialization.
 
 Threads: ``on_python_call`` / ``on_remote_request`` / ``on_fetch`` run on the transport
-thread and never unpickle; ``run_call`` runs on the user pool; ``serve_fetch`` on the
-callback pool, on the pool thread that set the value, or (a plain value, no user code) on
-the transport thread (see the home-thread table in rrefrt/control.py); ``async def``
+thread and never unpickle; ``run_call`` runs on the user pool, or on the same-host
+transport's reading thread after its loop iteration, under its standby's watch (NOTE
+[Inline calls] in transport/unix_lead.py); ``serve_fetch`` on the callback pool, on the
+pool thread that set the value, on the transport thread (a plain value, no user code), or
+inline as ``run_call`` (see the home-thread table in rrefrt/control.py); ``async def``
 functions on the event loop thread.
 """
 
@@ -30,7 +32,7 @@ from . import state
 from .devices import NO_SCOPE
 from .errors import RemoteSerializationError, SerializationError, ShutdownError
 from .functions import is_async_execution, when_future_done
-from .pool import PoolExhaustedError
+from .pool import InlineWaits, PoolExhaustedError, acting_as
 from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
 from .rref_context import FAILED, READY, OwnerRecord
 
@@ -56,6 +58,9 @@ class Callee:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
+        #: the transport's run_inline (NOTE [Inline calls]), looked up at the first call
+        self._inline: Callable[[Callable[[], None], Callable[[], None]], bool] | None = None
+        self._waits = InlineWaits(_no_hand_off)
 
     # ------------------------------------------------------------------ arrival (transport thread)
     def on_python_call(self, src: int, msg_id: int, msg: PythonCall, frames: Sequence[Any]) -> None:
@@ -82,11 +87,37 @@ class Callee:
             self.finish(src, msg, msg_id, rec, None, err)
             return
         rt.lifecycle.track_call(+1, src)
+        call = (src, msg, msg_id, frames, rrefs, rec)
+        # NOTE [Inline calls] in transport/unix_lead.py: the thread that read it runs it
+        if not self._inline_hook()(lambda: self._run_inline(self.run_call, call), lambda: self._submit(call)):
+            self._submit(call)
+
+    def _inline_hook(self) -> Callable[[Callable[[], None], Callable[[], None]], bool]:
+        inline = self._inline
+        if inline is None:
+            transport_ = self.rt.transport
+            inline = self._inline = getattr(transport_, "run_inline", None) or _no_inline
+            self._waits = InlineWaits(getattr(transport_, "hand_off", _no_hand_off))
+        return inline
+
+    def _submit(self, call: tuple) -> None:
+        rt = self.rt
         try:
-            rt.pool.submit(self.run_call, src, msg, msg_id, frames, rrefs, rec, reject_when_exhausted=True)
+            rt.pool.submit(self.run_call, *call, reject_when_exhausted=True)
         except PoolExhaustedError as e:  # the hard cap of the compensating pool: fail this call, typed
+            src, msg, msg_id, _frames, _rrefs, rec = call
             rt.lifecycle.track_call(-1, src)
             self.finish(src, msg, msg_id, rec, None, e)
+        except RuntimeError as e:  # a stopped pool (a queued inline call's fallback at close)
+            src, msg, msg_id, _frames, _rrefs, rec = call
+            rt.lifecycle.track_call(-1, src)
+            self.finish(src, msg, msg_id, rec, None, ShutdownError(f"worker {rt.info.name!r} is shutting down ({e})"))
+
+    def _run_inline(self, fn: Callable[..., None], args: tuple) -> None:
+        """On the transport thread that read the call or fetch (NOTE [Inline calls]): as a
+        pool task does, bound to this runtime; rrefrt's waits hand the reading role on."""
+        with state.bound(self.rt), acting_as(self._waits):
+            fn(*args)
 
     def _seen_before(self, src: int, msg_id: int) -> bool:
         """A PYTHON_CALL delivered twice must not run twice."""
@@ -210,11 +241,18 @@ class Callee:
         self.respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, rt.info.name), msg)
 
     def on_fetch(self, src: int, msg_id: int, msg: Fetch, frames: Sequence[Any]) -> None:
-        """Transport thread: a fetch. A ready plain value is answered here; anything else
-        goes to the callback pool, or waits for the value (served by whoever sets it)."""
+        """Transport thread: a fetch. A ready plain value is answered here, another ready one
+        on this thread after the loop's iteration (NOTE [Inline calls]) or on the callback
+        pool; a pending one waits for the value (served by whoever sets it)."""
         sf = self.rt.ctx.on_fetch(msg.rref_id, src, msg_id)
-        if sf is not None and not self.serve_fetch_inline(sf):
-            self.rt.callbacks.submit(self.serve_fetch, sf)
+        if sf is None or self.serve_fetch_inline(sf):
+            return
+        cbs = self.rt.callbacks
+        # a ready value whose pickling may run user code: after this loop iteration, on this
+        # thread, under the standby's watch (NOTE [Inline calls]); else the callback pool
+        if not self._inline_hook()(
+                lambda: self._run_inline(self.serve_fetch, (sf,)), lambda: cbs.submit(self.serve_fetch, sf)):
+            cbs.submit(self.serve_fetch, sf)
 
     def serve_fetch_inline(self, sf: ServeFetch) -> bool:
         """Answer a fetch on this thread if pickling the value runs no user code (a plain
@@ -286,6 +324,14 @@ def release_frames(exc: BaseException) -> None:
 def _run_loop(rt: Any, loop: asyncio.AbstractEventLoop) -> None:
     with state.bound(rt):
         loop.run_forever()
+
+
+def _no_inline(task: Callable[[], None], fallback: Callable[[], None]) -> bool:
+    return False
+
+
+def _no_hand_off() -> None:
+    pass
 
 
 def _settle(f: concurrent.futures.Future, done: Done) -> None:

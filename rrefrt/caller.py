@@ -59,6 +59,61 @@ class WaitedFuture(Future[Any]):
     decodes the answer itself and nothing else wakes."""
 
 
+#: the meta of a plain successful answer (status OK, no forks): ``Response.decode`` skipped
+_PLAIN_OK = [OK, []]
+_NO_RREFS: Any = ()  #: the RRefs of an answer that carried none (read only)
+
+
+class _Call:
+    """One request in flight and its ``on_done`` (the transport calls the object itself, on
+    its thread): one object per call where closures cost a cell per captured name.
+
+    ``what`` / ``owner_of``: the texts of an error, built only if one happens (``what``
+    defaults to "rpc to <dest> of <func>"). ``before``: run on the answer (or failure),
+    before the future completes. ``deletes``: piggybacked deletes, acknowledged by the
+    answer (NOTE [Piggybacked deletes])."""
+
+    __slots__ = ("caller", "fut", "dest", "forks", "deletes", "before", "what", "owner_of", "func")
+
+    def __init__(self, caller: "Caller", fut: Future[Any], dest: int, forks: list[Any]) -> None:
+        self.caller, self.fut, self.dest, self.forks = caller, fut, dest, forks
+        self.deletes: tuple = ()
+        self.before: Callable[[], None] | None = None
+        self.what: Callable[[], str] | None = None
+        self.owner_of: Callable[[], str] | None = None
+        self.func: Any = None
+
+    def error(self, err: BaseException) -> BaseException:
+        """rrefrt's error for transport error ``err`` (``translate``), with its text."""
+        if self.what is not None:
+            what = self.what()
+        else:
+            what = f"rpc to {self.caller.rt.worker_name(self.dest)!r} of {getattr(self.func, '__qualname__', self.func)!r}"
+        return translate(err, what, self.owner_of() if self.owner_of is not None else None)
+
+    def __call__(self, m: Any, fr: Sequence[Any], err: Any) -> None:  # transport thread
+        caller = self.caller
+        try:
+            if self.deletes:  # NOTE [Piggybacked deletes]: the answer is their ack
+                caller.rt.control.deletes_delivered(self.dest, self.deletes, err)
+            if self.before is not None:
+                self.before()
+            if err is not None:
+                if self.forks and isinstance(err, transport.Fenced):
+                    # NOTE [Fenced forks]: once fenced, a request fails with Fenced, sent
+                    # or not, and every peer is dead to this worker. A fork it registered
+                    # for itself (a call to itself, unsent) would pin its value for good:
+                    # no death ever drops it. Undoing a fork for a peer is what G3 does
+                    # anyway, and undoing one already received here is a no-op. An
+                    # answer that was not sent undoes its forks too (Callee.respond).
+                    caller.abort_forks(self.forks)
+                self.fut._fail(self.error(err))
+                return
+            caller._complete(self.fut, self.dest, m, fr)
+        finally:
+            caller.rt.lifecycle.track_outgoing(-1)
+
+
 class Caller:
     def __init__(self, rt: Any) -> None:
         self.rt = rt
@@ -72,15 +127,16 @@ class Caller:
         frames, forks = self.dumps_call(func, args, kwargs, dest)
         fut: Future[Any] = WaitedFuture() if waited else Future()
         fut._callback_pool = rt.callbacks
-        # formatted only if the call fails
-        what = lambda: f"rpc to {rt.worker_name(dest)!r} of {getattr(func, '__qualname__', func)!r}"  # noqa: E731
-        owner_of = None
+        call = _Call(self, fut, dest, forks)
+        call.func = func  # the error's text names it (formatted only if the call fails)
         if func is _invoke_on_owner and args:  # a proxy call: the RRef (only it is kept)
             target = args[0]
-            owner_of = lambda: repr(target)  # noqa: E731
+            call.owner_of = lambda: repr(target)  # noqa: E731
         deletes = self.flush_drops(dest) if rt.control.drops else ()  # NOTE [Drops]
-        msg = PythonCall(dest, tuple(forks), deletes)  # ForkData (``dumps``)
-        self.send_request(msg, frames, rt.timeout(timeout), fut, what, forks, owner_of, flush=False)
+        call.deletes = deletes
+        # the forks are in wire form already (dumps): PythonCall.meta without the round trip
+        self._send(call, PythonCall.KIND, PythonCall.NAME, PythonCall.wire_meta(forks, deletes), frames,
+                   rt.timeout(timeout))
         return fut
 
     def rpc_sync(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
@@ -98,7 +154,7 @@ class Caller:
         dest = rt.worker_info(to).id
         tname = func.__qualname__ if isinstance(func, type) else "object"
         frames, forks = self.dumps_call(func, args, kwargs, dest)
-        fork_data = tuple(forks)
+        fork_data = tuple(ForkData.from_wire(f) for f in forks)
         if dest == rt.info.id:
             rec = rt.ctx.new_local_owner(_NO_VALUE, tname)
             msg = RemoteRequest(dest, rec.rref_id, rec.rref_id, tname, fork_data)
@@ -159,7 +215,11 @@ class Caller:
             rt.creation.add_fetch(rec.fork_id, fut)
             forget = lambda: rt.creation.forget_fetch(rec.fork_id, fut)  # noqa: E731
         msg = Fetch(rec.owner, rec.rref_id, rec.fork_id)
-        self.send_request(msg, [], t, fut, lambda: f"to_here() of {rref!r}", [], lambda: repr(rref), forget, flush)
+        if flush and rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
+            self.flush_drops()
+        call = _Call(self, fut, msg.dest, [])
+        call.what, call.owner_of, call.before = lambda: f"to_here() of {rref!r}", lambda: repr(rref), forget
+        self._send(call, msg.KIND, msg.NAME, msg.meta(), [], t)
 
     def fetch_error(self, rref: RRef[Any], err: BaseException) -> BaseException:
         """The error of a to_here() of ``rref`` that failed with transport error ``err``."""
@@ -188,61 +248,30 @@ class Caller:
         (``reply=True``: a call's result, a fetched value), the inverse of ``dest``'s map to
         us (NOTE [Device maps] in rrefrt/devices.py)."""
         rt = self.rt
-        plan, peer = rt.devices, rt.worker_name(dest)  # a member may leave meanwhile (dynamic groups)
-        route = None if plan is None else (plan.reply_route(peer) if reply else plan.request_route(peer))
+        plan = rt.devices
+        route = None
+        if plan is not None:
+            peer = rt.worker_name(dest)  # a member may leave meanwhile (dynamic groups)
+            route = plan.reply_route(peer) if reply else plan.request_route(peer)
         try:
-            frames, forks = ser.dumps(obj, lambda r: self.fork(r, dest), route=route)
+            return ser.dumps(obj, lambda r: self.fork(r, dest), route=route)
         except Exception as e:
             self.abort_forks(getattr(e, "forks", []))
             raise
-        # a request's forks stay ForkData (its message encodes them once); a reply's go in
-        # the answer's meta as they are
-        return frames, [f.to_wire() for f in forks] if reply and forks else forks
 
-    def send_request(
-        self, msg: PythonCall | Fetch, frames: Any, timeout: float, fut: Future[Any], what: Callable[[], str],
-        forks: list[Any], owner_of: Callable[[], str] | None = None, before: Callable[[], None] | None = None,
-        flush: bool = True,
-    ) -> None:
-        """``what`` / ``owner_of``: the texts of an error, built only if one happens.
-        ``before``: run on the answer (or failure), before the future completes.
-        ``flush``: send the deletes of dropped RRefs first (not on the transport thread)."""
-        rt, dest = self.rt, msg.dest
-        if flush and rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
-            self.flush_drops()
-        deletes = msg.deletes if isinstance(msg, PythonCall) else ()
-
-        def on_done(m: Any, fr: Sequence[Any], err: Any) -> None:  # transport thread
-            try:
-                if deletes:  # NOTE [Piggybacked deletes]: the answer is their ack
-                    rt.control.deletes_delivered(dest, deletes, err)
-                if before is not None:
-                    before()
-                if err is not None:
-                    if forks and isinstance(err, transport.Fenced):
-                        # NOTE [Fenced forks]: once fenced, a request fails with Fenced, sent
-                        # or not, and every peer is dead to this worker. A fork it registered
-                        # for itself (a call to itself, unsent) would pin its value for good:
-                        # no death ever drops it. Undoing a fork for a peer is what G3 does
-                        # anyway, and undoing one already received here is a no-op. An
-                        # answer that was not sent undoes its forks too (Callee.respond).
-                        self.abort_forks(forks)
-                    fut._fail(translate(err, what(), owner_of() if owner_of else None))
-                    return
-                self._complete(fut, dest, m, fr)
-            finally:
-                rt.lifecycle.track_outgoing(-1)
-
+    def _send(self, call: "_Call", kind: int, name: str, meta: Any, frames: Any, timeout: float) -> None:
+        """Send one request whose answer (or failure) ``call`` handles on the transport thread."""
+        rt = self.rt
         rt.lifecycle.track_outgoing(+1)
         try:
-            rt.transport.request(dest, msg.KIND, msg.meta(), frames, timeout, on_done, msg.NAME)
+            rt.transport.request(call.dest, kind, meta, frames, timeout, call, name)
         except transport.TransportError as e:
             rt.lifecycle.track_outgoing(-1)
-            rt.control.deletes_delivered(dest, deletes, e)
-            if before is not None:
-                before()
-            self.abort_forks(forks)
-            raise translate(e, what(), owner_of() if owner_of else None) from None
+            rt.control.deletes_delivered(call.dest, call.deletes, e)
+            if call.before is not None:
+                call.before()
+            self.abort_forks(call.forks)
+            raise call.error(e) from None
 
     def flush_drops(self, dest: int | None = None) -> tuple:
         """NOTE [Drops]: send the deletes of dropped RRefs before this call - unless the
@@ -258,16 +287,20 @@ class Caller:
     def _complete(self, fut: Future[Any], src: int, meta: Any, frames: Sequence[Any]) -> None:
         """Transport thread: decode the response meta once, account for the forks now,
         decode the payload lazily."""
-        name = self.rt.worker_name(src)
+        if type(meta) is list and meta == _PLAIN_OK and type(meta[0]) is int:  # no forks: the common case
+            fut._complete_lazy(ser.loads, frames, _NO_RREFS)
+            return
         try:
             resp = Response.decode(meta)
             rrefs = self.rrefs_from_forks(resp.forks, src) if resp.forks else []
         except Exception as e:
-            fut._fail(SerializationError(f"malformed response from worker {name!r}: {e}"))
+            fut._fail(SerializationError(f"malformed response from worker {self.rt.worker_name(src)!r}: {e}"))
             return
         if resp.status == OK:
-            fut._complete_lazy(lambda: ser.loads(frames, rrefs))
+            fut._complete_lazy(ser.loads, frames, rrefs)
         else:
+            name = self.rt.worker_name(src)
+
             def raise_remote() -> Any:
                 raise ser.loads_error(frames, name)
 
@@ -280,14 +313,13 @@ class Caller:
             raise RpcError(f"{rref!r} belongs to another (shut down) RPC group")
         rref._check()
         if rref._owner_rec is not None:
-            return rt.ctx.fork_owned(rref._owner_rec, dest)
-        return rt.ctx.fork_user(rref._user_rec, dest)  # type: ignore[arg-type]
+            return rt.ctx.fork_owned(rref._owner_rec, dest).to_wire()
+        return rt.ctx.fork_user(rref._user_rec, dest).to_wire()  # type: ignore[arg-type]
 
     def abort_forks(self, forks: list[Any]) -> None:
-        """The message carrying these forks (ForkData, or the wire form of a reply's) was
-        never sent."""
+        """The message carrying these forks (wire form) was never sent."""
         for f in forks:
-            self.rt.control.perform(self.rt.ctx.abort_fork(f if type(f) is ForkData else ForkData.from_wire(f)))
+            self.rt.control.perform(self.rt.ctx.abort_fork(ForkData.from_wire(f)))
 
     def rrefs_from_forks(self, forks: Sequence[ForkData], src: int, lazy: bool = False) -> list[RRef[Any]]:
         """RRef objects for the forks a message from ``src`` carried (no user code); the

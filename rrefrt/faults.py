@@ -2,7 +2,7 @@
 messages a worker sends, by label.
 
 Owns: ``FaultPlan`` and its installation on the current runtime (the transport's
-``fault_hook``, see NOTE [Fault injection] in transport/agent.py). Imports from rrefrt:
+``fault_hook``, see NOTE [Fault injection] in transport/zmqsend.py). Imports from rrefrt:
 state. A plan is picklable, so a test installs it on any worker with
 ``rpc_sync(worker, rrefrt.faults.install, args=(plan,))``.
 

@@ -33,6 +33,19 @@ callbacks, or none of a pool (a user's ``set_result``, ``then``), is marked when
 callbacks run, as before. Futures created before torch was imported stay plain (not
 accepted by torch's functions).
 
+NOTE [Lazy condition]: an ``rpc_async`` future is usually created, completed by the I/O
+thread and read once it is done; ``concurrent.futures.Future.__init__`` built a Condition
+(an RLock, a deque, four bound methods) for each, and every ``done``/``result`` took it.
+So ``__init__`` sets the stdlib's fields itself, the state lives under a bare RLock
+(``_lock``), and ``_condition`` - the name the stdlib's own methods and
+``concurrent.futures.wait`` use - is a property that builds the Condition over that lock on
+first use, under the lock (so two threads never build two). ``_finish``/``_settle`` change
+the state under ``_lock`` and notify the Condition only if one exists: a waiter builds it
+and checks the state under the same lock, so no wake-up is lost. ``done`` and the ``result``
+of a finished future read the state without a lock (one attribute read is atomic); a lazy
+result's decode writes ``_exception`` before ``_result`` and readers read ``_result``
+first, so a racing reader never takes a failed decode for a ``None`` value.
+
 NOTE [No cycle through a raised error]: a failed future stores its error, and ``result``/
 ``wait`` raise that object, so its traceback collects the frames it passes through. A
 frame there that still holds the future (``self``, a local ``fut``) closes a cycle
@@ -66,6 +79,9 @@ __all__ = ["Future", "wait_all", "collect_all", "FutureAlreadyCompletedError", "
 T = TypeVar("T")
 
 _DONE = (_cf.CANCELLED, _cf.CANCELLED_AND_NOTIFIED, _cf.FINISHED)
+_FINISHED = _cf.FINISHED
+_RLock = threading.RLock
+_Lock = threading.Lock
 #: torch's phrase, which torch programs match on
 _TWICE = "Attempting to mark a completed Future as complete again. Note that a Future can only be marked completed once."
 
@@ -128,10 +144,12 @@ class _NotAnException(TypeError, AssertionError):
 
 
 class _Lazy:
-    __slots__ = ("decode",)
+    """An undecoded result: ``decode(*args)`` gives the value (NOTE [Lazy results])."""
 
-    def __init__(self, decode: Callable[[], Any]) -> None:
-        self.decode = decode
+    __slots__ = ("decode", "args")
+
+    def __init__(self, decode: Callable[..., Any], args: tuple) -> None:
+        self.decode, self.args = decode, args
 
 
 def _not_callable(method: str, obj: Any) -> TypeError:
@@ -157,9 +175,32 @@ class Future(concurrent.futures.Future, Generic[T]):
         return super().__new__(cls)  # type: ignore[misc]
 
     def __init__(self, *, devices: Any = None) -> None:
-        super().__init__()
-        self._decode_lock = threading.Lock()
+        # NOTE [Lazy condition]: concurrent.futures.Future.__init__ is not called: the state
+        # lock is a bare RLock, the Condition around it is built on first need
+        self._state = _cf.PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+        self._lock = _RLock()
+        self._cond: threading.Condition | None = None
+        self._decode_lock = _Lock()
         self._callback_pool: WorkerPool | None = None
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        """The stdlib's Condition over this future's state lock, built on first use
+        (NOTE [Lazy condition]): a thread that waits, or ``concurrent.futures.wait``."""
+        cond = self._cond
+        if cond is None:
+            with self._lock:
+                cond = self._cond
+                if cond is None:
+                    cond = self._cond = threading.Condition(self._lock)
+        return cond
+
+    def done(self) -> bool:
+        return self._state in _DONE
 
     # -- torch's API
     def wait(self, timeout: float | None = None) -> T:
@@ -205,27 +246,61 @@ class Future(concurrent.futures.Future, Generic[T]):
         """Run ``fn(self)`` once done (at once, inline, if it is); errors it raises are logged."""
         if not callable(fn):
             raise _not_callable("add_done_callback", fn)
-        super().add_done_callback(fn)
+        with self._lock:
+            if self._state not in _DONE:
+                self._done_callbacks.append(fn)
+                return
+        try:
+            fn(self)
+        except Exception:
+            _cf.LOGGER.exception("exception calling callback for %r", self)
 
     def set_result(self, result: Any) -> None:
-        try:
-            super().set_result(result)
-        except concurrent.futures.InvalidStateError:
-            raise FutureAlreadyCompletedError(_TWICE) from None
+        if not self._settle(result, None):
+            raise FutureAlreadyCompletedError(_TWICE)
+        self._invoke_callbacks()
 
     def set_exception(self, exception: Any) -> None:
         if not isinstance(exception, BaseException):
             raise _NotAnException(f"{exception} is of type {type(exception)}, not an Exception.")
-        try:
-            super().set_exception(exception)
-        except concurrent.futures.InvalidStateError:
-            raise FutureAlreadyCompletedError(_TWICE) from None
+        if not self._settle(None, exception):
+            raise FutureAlreadyCompletedError(_TWICE)
+        self._invoke_callbacks()
+
+    def _settle(self, result: Any, exc: BaseException | None) -> bool:
+        """Complete the state under the lock and wake waiters; False if it was done (or
+        cancelled) already. The callbacks are the caller's to run."""
+        with self._lock:
+            if self._state in _DONE:
+                return False
+            self._result, self._exception, self._state = result, exc, _cf.FINISHED
+            if self._waiters:
+                for waiter in self._waiters:
+                    if exc is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+            cond = self._cond
+            if cond is not None:
+                cond.notify_all()
+        return True
 
     # -- stdlib contract, with lazy decoding and compensation of blocked pool threads
     # (result and exception repeat their wait on purpose: a shared helper would put a frame
     # holding this future into the stored error's traceback - a cycle that keeps RRefs alive)
     def result(self, timeout: float | None = None) -> T:
         try:
+            if self._state is _FINISHED:  # fast path: no lock (NOTE [Lazy condition])
+                r = self._result  # read before _exception: _decode writes them the other way round
+                if type(r) is _Lazy:
+                    return self._materialize(r)
+                exc = self._exception
+                if exc is None:
+                    return r
+                try:
+                    raise exc
+                finally:
+                    exc = None
             if not self.done():
                 pool = current_pool()
                 if pool is not None:
@@ -245,6 +320,11 @@ class Future(concurrent.futures.Future, Generic[T]):
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._state is _FINISHED:
+            r = self._result
+            if type(r) is _Lazy:
+                self._decode(r)  # never raises: the error is not raised on this thread
+            return self._exception
         if not self.done():
             pool = current_pool()
             if pool is not None:
@@ -264,21 +344,22 @@ class Future(concurrent.futures.Future, Generic[T]):
         with self._decode_lock:
             if self._result is lazy:
                 try:
-                    self._result = lazy.decode()
+                    self._result = lazy.decode(*lazy.args)
                 except BaseException as e:
-                    self._result, self._exception = None, e.with_traceback(None)  # no cycle via this frame
+                    # _exception first: the lock-free readers (result) read _result first
+                    self._exception = e.with_traceback(None)  # no cycle via this frame
+                    self._result = None
 
     def _materialize(self, lazy: _Lazy) -> Any:
-        self._decode(lazy)
-        with self._decode_lock:
-            exc = self._exception
-            if exc is not None:
-                try:
-                    raise exc
-                finally:  # no cycle future -> error -> traceback -> this frame -> future
-                    self = None  # type: ignore[assignment]  # noqa: F841
-                    exc = None
-            return self._result
+        self._decode(lazy)  # done on return, by this thread or another (under the decode lock)
+        exc = self._exception
+        if exc is not None:
+            try:
+                raise exc
+            finally:  # no cycle future -> error -> traceback -> this frame -> future
+                self = None  # type: ignore[assignment]  # noqa: F841
+                exc = None
+        return self._result
 
     def __await__(self):  # type: ignore[override]
         return asyncio.wrap_future(self).__await__()
@@ -297,23 +378,27 @@ class Future(concurrent.futures.Future, Generic[T]):
         self._done_callbacks = []
 
     # -- completion by the runtime
-    def _complete_lazy(self, decode: Callable[[], Any]) -> None:
-        self._finish(_Lazy(decode), None)
+    def _complete_lazy(self, decode: Callable[..., Any], *args: Any) -> None:
+        """Complete with the result ``decode(*args)``, computed by its first reader."""
+        self._finish(_Lazy(decode, args), None)
 
     def _fail(self, exc: BaseException) -> None:
         self._finish(None, exc)
 
     def _finish(self, result: Any, exc: BaseException | None) -> None:
-        with self._condition:
+        with self._lock:
             if self._state in _DONE:
                 return
             self._result, self._exception, self._state = result, exc, _cf.FINISHED
-            for waiter in self._waiters:
-                if exc is None:
-                    waiter.add_result(self)
-                else:
-                    waiter.add_exception(self)
-            self._condition.notify_all()
+            if self._waiters:
+                for waiter in self._waiters:
+                    if exc is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+            cond = self._cond
+            if cond is not None:
+                cond.notify_all()
             has_callbacks = bool(self._done_callbacks)
             # NOTE [torch interop]: the C++ side is completed lazily, when torch asks for it
             torch_now = self._torch_side and (self._torch_wanted or self._callback_pool is None)
@@ -372,6 +457,7 @@ def _raise_copy(exc: BaseException) -> Any:
 
 
 _torch_cls: Any = None
+_NO_DEVICES: list[Any] = []
 _torch_cls_lock = threading.Lock()
 
 
@@ -402,7 +488,10 @@ def _build_torch_class(base: Any) -> Any:
 
             def __init__(self, *, devices: Any = None) -> None:
                 Future.__init__(self)
-                base.__init__(self, devices=devices)
+                if devices is None:  # what torch.futures.Future.__init__ does, minus a frame
+                    c_future.__init__(self, _NO_DEVICES)
+                else:
+                    base.__init__(self, devices=devices)
 
             def _invoke_callbacks(self) -> None:
                 self._mark_torch()
@@ -410,7 +499,7 @@ def _build_torch_class(base: Any) -> Any:
 
             def _mark_torch(self) -> None:
                 """Complete the C++ side, once (NOTE [torch interop])."""
-                with self._condition:
+                with self._lock:
                     if self._torch_marked:
                         return
                     self._torch_marked = True
@@ -442,7 +531,7 @@ def _want_torch_side(futures: Iterable[Any]) -> None:
     for f in futures:
         if getattr(f, "_torch_side", False) is not True or not isinstance(f, Future):
             continue
-        with f._condition:
+        with f._lock:
             f._torch_wanted = True
             done = f._state in _DONE
         if done:

@@ -36,7 +36,8 @@ AGENT_KEYS = ("messages_sent", "messages_received", "bytes_sent", "bytes_receive
 class Lifecycle:
     def __init__(self, rt: Any) -> None:
         self.rt = rt
-        self._active = threading.Condition()
+        self._lock = threading.RLock()  #: ``_active``'s lock, taken bare on the per-call paths
+        self._active = threading.Condition(self._lock)
         self.active_calls = 0  #: user functions running or queued on behalf of peers
         #: caller id -> its calls counted in active_calls (shutdown waits for live callers only)
         self.active_from: collections.Counter = collections.Counter()
@@ -50,7 +51,7 @@ class Lifecycle:
                 self._active.notify_all()
 
     def track_outgoing(self, delta: int) -> None:
-        with self._active:
+        with self._lock:  # twice per call: the bare lock (Condition.__enter__ is Python code)
             self.outgoing_calls += delta
             if self.outgoing_calls == 0:
                 self._active.notify_all()

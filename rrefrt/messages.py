@@ -152,6 +152,9 @@ def _deletes(raw: Any) -> tuple:
 
 
 # ---------------------------------------------------------------------------- messages
+_PLAIN_CALL_META: list[Any] = [[]]
+_plain_calls: dict[int, "PythonCall"] = {}  #: dest -> PythonCall(dest): a call with no forks, no deletes
+
 @dataclass(frozen=True, slots=True)
 class PythonCall:
     KIND: ClassVar[int] = 16
@@ -162,11 +165,21 @@ class PythonCall:
     deletes: tuple = ()
 
     def meta(self) -> list[Any]:
-        forks = [f.to_wire() for f in self.forks]
-        return [forks, _deletes_wire(self.deletes)] if self.deletes else [forks]
+        return self.wire_meta([f.to_wire() for f in self.forks], self.deletes)
+
+    @staticmethod
+    def wire_meta(forks: list[Any], deletes: tuple = ()) -> list[Any]:
+        """The meta of a call whose forks are in wire form already (``ForkData.to_wire``),
+        without building the message (the caller's hot path)."""
+        return [forks, _deletes_wire(deletes)] if deletes else [forks]
 
     @classmethod
     def decode(cls, dest: int, meta: list) -> "PythonCall":
+        if meta == _PLAIN_CALL_META and type(meta[0]) is list:  # no forks, no deletes: the common case
+            plain = _plain_calls.get(dest)
+            if plain is None:
+                plain = _plain_calls[dest] = cls(dest)
+            return plain  # immutable: one per destination, no allocation per call
         forks, *rest = meta
         if len(rest) > 1:
             raise ValueError("too many fields")

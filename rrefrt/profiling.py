@@ -73,6 +73,7 @@ class _Local(threading.local):
 
 
 _tls = _Local()
+_torch: Any = None  #: torch, once ``torchimport.loaded()`` returned it
 _install_lock = threading.Lock()
 _installed = False
 _ids = itertools.count(1)
@@ -87,9 +88,12 @@ def active() -> bool:
     is on for this thread (cheap when torch is not imported)."""
     if _tls.suspended:
         return False
-    torch = torchimport.loaded()
-    if torch is None:
-        return False
+    global _torch
+    torch = _torch
+    if torch is None:  # kept once fully imported (it stays so): one lookup less per call
+        torch = _torch = torchimport.loaded()
+        if torch is None:
+            return False
     try:
         if not torch.autograd._profiler_enabled():
             return False

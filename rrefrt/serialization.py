@@ -39,6 +39,17 @@ from .errors import RemoteError, RpcError, SerializationError, rebuildable
 
 _tls = threading.local()
 _allowlist: frozenset[str] | None = None
+_torch: Any = None  #: torch once fully imported (``torchimport.loaded``): it stays so
+_tensor_types: tuple = ()  #: (torch.Tensor, torch.nn.Parameter) once ``_torch`` is set
+
+
+def _load_torch() -> Any:
+    global _torch, _tensor_types
+    torch = torchimport.loaded()
+    if torch is not None:
+        _tensor_types = (torch.Tensor, torch.nn.Parameter)
+        _torch = torch
+    return torch
 
 
 def set_unpickle_allowlist(names: Sequence[str] | None) -> None:
@@ -69,12 +80,12 @@ def _load_rref(index: int) -> Any:
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, out_buffers: list, fork: Callable[[Any], Any] | None,
                  route: buffers.Route) -> None:
-        super().__init__(file, protocol=5, buffer_callback=out_buffers.append)
+        pickle.Pickler.__init__(self, file, 5, buffer_callback=out_buffers.append)
         self._fork = fork
         self._route = route
         self.forks: list[Any] = []
         self.fork_error: BaseException | None = None
-        self._torch = torchimport.loaded()
+        self._torch = _torch or _load_torch()
 
     def reducer_override(self, obj: Any) -> Any:
         if getattr(obj, "_rrefrt_is_rref", False):
@@ -86,9 +97,7 @@ class _Pickler(pickle.Pickler):
                 self.fork_error = e
                 raise
             return (_load_rref, (len(self.forks) - 1,))
-        torch = self._torch
-        if (torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided
-                and not obj.is_quantized):
+        if type(obj) in _tensor_types and obj.layout == self._torch.strided and not obj.is_quantized:
             return buffers.reduce_tensor(obj, self._route)
         return NotImplemented
 
@@ -157,16 +166,22 @@ def dumps(
         raise err from e
     # getvalue(): the stream as bytes without a copy (no buffer export is alive), so the
     # transport need not copy it for the argument snapshot (bytes are immutable)
-    return [f.getvalue(), *(b.raw() for b in out)], p.forks
+    if not out:
+        return [f.getvalue()], p.forks
+    return [f.getvalue(), *[b.raw() for b in out]], p.forks
 
 
 def loads(frames: Sequence[Any], rrefs: list[Any]) -> Any:
     if not frames:
         raise SerializationError("payload is missing")
-    bufs = [_as_buffer(fr) for fr in frames]
+    if len(frames) == 1 and type(frames[0]) is bytes:  # a stream alone (no tensor): the usual call
+        stream, bufs = frames[0], ()
+    else:
+        bufs = [_as_buffer(fr) for fr in frames]
+        stream, bufs = bufs[0], bufs[1:]
     _tls.rrefs = rrefs
     try:
-        return _Unpickler(io.BytesIO(bufs[0]), buffers=bufs[1:]).load()
+        return _Unpickler(io.BytesIO(stream), buffers=bufs).load()
     except RpcError:
         raise
     except Exception as e:

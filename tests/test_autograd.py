@@ -82,10 +82,22 @@ def _losses(out: str) -> list[str]:
     return [ln.split("loss ")[-1] for ln in out.splitlines() if "step " in ln and "loss" in ln]
 
 
+#: the output of each example's run on rrefrt (5 steps), shared by the two tests below: a
+#: step's loss does not depend on how many steps follow (the data comes from one seeded
+#: generator, drawn step by step), so torch's 3 steps compare with the first 3 of these
+_RREFRT_RUNS: dict[str, str] = {}
+
+
+def _rrefrt_run(script: str, nproc: int) -> str:
+    if script not in _RREFRT_RUNS:
+        _RREFRT_RUNS[script] = _run_example(script, nproc, "rrefrt", 5)
+    return _RREFRT_RUNS[script]
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("script, nproc", [("rnn_model_parallel.py", 2), ("pipeline_model_parallel.py", 3)])
 def test_example_trains_on_rrefrt(script, nproc):
-    out = _run_example(script, nproc, "rrefrt", 5)
+    out = _rrefrt_run(script, nproc)
     assert "example: OK" in out, out
     assert len(_losses(out)) == 5
 
@@ -97,7 +109,7 @@ def test_example_is_a_torch_rpc_program_with_the_same_losses(script, nproc):
     loss at every step as on rrefrt."""
     torch_out = _run_example(script, nproc, "torch", 3)
     assert "example: OK" in torch_out, torch_out
-    assert _losses(torch_out) == _losses(_run_example(script, nproc, "rrefrt", 3))
+    assert len(_losses(torch_out)) == 3 and _losses(torch_out) == _losses(_rrefrt_run(script, nproc))[:3]
 
 
 @pytest.fixture

@@ -146,7 +146,7 @@ def test_leak_from_dropped_user_deletes_is_reported(workers):
     for r in range(2):
         workers.start({
             "name": f"w{r}", "rank": r, "world_size": 2, "port": port, "scenario": "leak_by_dropped_delete",
-            "options": {"strict_rref_leaks": True, "shutdown_timeout": 5},
+            "options": {"strict_rref_leaks": True, "shutdown_timeout": 2},  # the owner waits this long for the leaked fork
         })
     outs = workers.wait_all(60)
     results = []

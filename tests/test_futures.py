@@ -448,3 +448,86 @@ def test_the_torch_side_of_a_runtime_completed_future_is_completed_only_when_tor
         assert collected.wait()[0].wait() == "late" and torch._C.Future.done(late)
     finally:
         pool.stop()
+
+
+# ---------------------------------------------------------------- NOTE [Lazy condition]
+def test_a_future_read_when_done_never_builds_its_condition_and_waiters_still_wake():
+    """The Condition is built only for a thread that waits: a future completed by the
+    runtime and read after its completion (rpc_async's usual life) costs none. Waiters that
+    race with the completion - blocked ones, ones arriving while it completes, stdlib wait()
+    - are all woken, whatever the interleaving (many rounds, several threads each)."""
+    f = Future()
+    f._callback_pool = WorkerPool("test-cb", 1)  # as the runtime's futures (no inline torch side)
+    try:
+        f._complete_lazy(lambda a, b: a + b, 2, 3)
+        assert f.done() and f.result() == 5 and f.wait() == 5 and f.exception() is None
+        assert f._cond is None
+    finally:
+        f._callback_pool.stop()  # type: ignore[union-attr]
+
+    for _ in range(200):
+        g: Future = Future()
+        got: list = []
+        start = threading.Barrier(4)
+
+        def reader() -> None:
+            start.wait(5)
+            got.append(g.result(timeout=10))
+
+        def stdlib_waiter() -> None:
+            start.wait(5)
+            done, _ = concurrent.futures.wait([g], timeout=10)
+            got.append(g.result(0) if g in done else "not woken")
+
+        threads = [threading.Thread(target=reader), threading.Thread(target=reader), threading.Thread(target=stdlib_waiter)]
+        for t in threads:
+            t.start()
+        start.wait(5)
+        g._finish(7, None)
+        for t in threads:
+            t.join(15)
+        assert got == [7, 7, 7]
+
+
+def test_racing_readers_of_a_lazily_failing_future_all_raise_its_error():
+    """The lock-free read of a finished future reads ``_result`` before ``_exception`` and the
+    decode writes them the other way round: a reader racing the decoding thread never takes
+    the failed future for one that returned None."""
+    for _ in range(100):
+        f: Future = Future()
+        f._callback_pool = object()  # never used: no callbacks, torch side not wanted
+        outcomes: list = []
+        start = threading.Barrier(4)
+
+        def decode() -> None:
+            raise ValueError("bad payload")
+
+        def read() -> None:
+            start.wait(5)
+            try:
+                outcomes.append(("value", f.result(0)))
+            except ValueError as e:
+                outcomes.append(("error", str(e)))
+
+        f._complete_lazy(decode)
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        assert outcomes == [("error", "bad payload")] * 4
+
+
+def test_cancel_and_callbacks_keep_the_stdlib_contract_without_an_eager_condition():
+    f: Future = Future()
+    seen: list = []
+    f.add_done_callback(lambda fut: seen.append(("before", fut.cancelled())))
+    assert f.cancel() and f.cancelled() and f.done()
+    f.add_done_callback(lambda fut: seen.append(("after", fut.cancelled())))  # inline once done
+    assert seen == [("before", True), ("after", True)]
+    with pytest.raises(concurrent.futures.CancelledError):
+        f.result(0)
+    f._finish(1, None)  # the runtime's completion of a cancelled future is a no-op
+    assert f.cancelled()
+    with pytest.raises(FutureAlreadyCompletedError):
+        f.set_result(2)

@@ -67,19 +67,22 @@ def test_duplicate_name_fails_at_once_naming_both(workers):
 
 
 def test_duplicate_rank_and_world_size_mismatch(workers):
-    port = free_port()
+    # Two groups at once, on two ports: each one's rank 0 keeps its store up for the missing
+    # rank 2 after the conflict (rendezvous._LINGER_S, 10 s), so one after the other took 20 s.
+    port, port2 = free_port(), free_port()
+    while port2 == port:
+        port2 = free_port()
     t0 = time.monotonic()
     workers.start(spec("a", 0, 3, port, options={"init_timeout": 30}))
     workers.start(spec("b", 1, 3, port, options={"init_timeout": 30}))
     workers.start(spec("c", 1, 3, port, options={"init_timeout": 30}))
-    outs = workers.wait_all(60)
-    assert all("duplicate rank 1" in out for _, out in outs), outs
-    assert all(code != 0 for code, _ in outs) and time.monotonic() - t0 < 20
-    port = free_port()
     w2 = type(workers)()
     try:
-        w2.start(spec("a", 0, 2, port, options={"init_timeout": 20}))
-        w2.start(spec("b", 1, 3, port, options={"init_timeout": 20}))
+        w2.start(spec("a", 0, 2, port2, options={"init_timeout": 20}))
+        w2.start(spec("b", 1, 3, port2, options={"init_timeout": 20}))
+        outs = workers.wait_all(60)
+        assert all("duplicate rank 1" in out for _, out in outs), outs
+        assert all(code != 0 for code, _ in outs) and time.monotonic() - t0 < 20
         outs = w2.wait_all(60)
         assert any("world size mismatch" in out for _, out in outs), outs
     finally:
@@ -110,8 +113,11 @@ def test_port_in_use_is_a_clear_error():
 
 
 def test_bad_arguments():
+    # an invalid rank is reported to the group when its store answers within
+    # min(init_timeout, 10 s); nothing listens on port 1, so a short init_timeout ends the try
     with pytest.raises(ValueError, match="world_size"):
-        rrefrt.init_rpc("w0", rank=3, world_size=2, rpc_backend_options=rrefrt.RpcBackendOptions(init_method="tcp://127.0.0.1:1"))
+        rrefrt.init_rpc("w0", rank=3, world_size=2,
+                        rpc_backend_options=rrefrt.RpcBackendOptions(init_method="tcp://127.0.0.1:1", init_timeout=1))
     with pytest.raises(ValueError, match="init_method"):
         rrefrt.RpcBackendOptions(init_method="file:///tmp/x")
     with pytest.raises(ValueError, match="name"):

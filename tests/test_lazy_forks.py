@@ -15,7 +15,7 @@ import pytest
 import rrefrt
 from tests import lazy_fns as lf
 from tests import workerfns as fns
-from tests.support import Workers, free_port, poll_for
+from tests.support import poll_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,32 +31,8 @@ def settled(worker: str) -> bool:
     return s["num_pending_users"] == 0 and s["num_pending_children"] == 0 and s["num_deleting_users"] == 0
 
 
-@pytest.fixture
-def group():
-    """``start(world)``: this process is w0, the others serving subprocesses; children are
-    killed by pid at teardown."""
-    workers = Workers()
-
-    def start(world: int) -> dict:
-        port = free_port()
-        base = {"rpc_timeout": 30.0, "shutdown_timeout": 30.0} | HB
-        procs = {f"w{r}": workers.start({"name": f"w{r}", "rank": r, "world_size": world, "port": port, "options": base})
-                 for r in range(1, world)}
-        rrefrt.init_rpc("w0", rank=0, world_size=world,
-                        rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **base))
-        return procs
-
-    start.workers = workers  # type: ignore[attr-defined]
-    try:
-        yield start
-    finally:
-        if rrefrt.state.current_or_none() is not None:
-            rrefrt.shutdown(graceful=False)
-        workers.kill_all()
-
-
 def test_forks_dropped_in_their_call_never_reach_the_owner_and_stored_ones_register(group):
-    group(3)
+    group(3, HB, HB)
     rref = rrefrt.remote("w1", fns.identity, args=(7,))
     assert rref.to_here() == 7
     poll_for(lambda: settled("w0"), 10)
@@ -104,7 +80,7 @@ def test_forks_dropped_in_their_call_never_reach_the_owner_and_stored_ones_regis
 
 def test_owner_killed_while_a_fork_is_unregistered(group):
     """G3: the unregistered fork fails typed (no hang), the parent's pending child goes."""
-    procs = group(3)
+    procs = group(3, HB, HB)
     rref = rrefrt.remote("w1", fns.identity, args=(5,))
     assert rref.to_here() == 5
     fut = rrefrt.rpc_async("w2", lf.wait_for_death_then_fetch, args=(rref, "w1"))
@@ -126,7 +102,7 @@ def test_parent_killed_mid_call_registers_the_fork_and_leaks_nothing(group):
     """w0 owns the value, w1 (the parent) holds the only other fork and passes it on to w2,
     then is SIGKILLed while w2's call runs: w2 registers at once; its fetch gets the value
     or, if the owner freed it first, a typed error; the owner ends with nothing."""
-    procs = group(3)
+    procs = group(3, HB, HB)
     rref = rrefrt.RRef(41)
     assert rrefrt.rpc_sync("w1", lf.keep, args=(rref,)) is True  # parent is the owner: registered
     del rref

@@ -152,3 +152,15 @@ def test_responses() -> None:
                  [OK, [["bad"]]]):
         with pytest.raises(MalformedMessage):
             Response.decode(meta)
+
+
+def test_a_plain_call_decodes_to_one_shared_message_and_others_still_validate():
+    """A call with no forks and no deletes (the hot path) decodes without allocating: one
+    immutable PythonCall per destination; anything else takes the validating path."""
+    a, b = decode(PythonCall.KIND, [[]], 3), decode(PythonCall.KIND, [[]], 3)
+    assert a == PythonCall(3) and a is b and decode(PythonCall.KIND, [[]], 4) == PythonCall(4)
+    assert PythonCall.wire_meta([], ()) == [[]] == PythonCall(3).meta()
+    assert decode(PythonCall.KIND, [[FORK.to_wire()]], 3) == PythonCall(3, (FORK,))
+    for bad in ([()], [[], [], []], [[1]], [[], []]):
+        with pytest.raises(MalformedMessage):
+            decode(PythonCall.KIND, bad, 3)

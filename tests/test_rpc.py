@@ -131,12 +131,14 @@ def test_unpicklable_rejected_before_sending(cluster):
 def test_timeout_within_bound(cluster, timeout):
     t0 = time.monotonic()
     with pytest.raises(rrefrt.RpcTimeoutError) as e:
-        rrefrt.rpc_sync("w1", fns.sleep_for, args=(timeout + 3,), timeout=timeout)
+        # the handlers sleep 1.5 s past the timeout (enough to outlast it; longer kept the
+        # module's shutdown waiting for them, ~3.5 s)
+        rrefrt.rpc_sync("w1", fns.sleep_for, args=(timeout + 1.5,), timeout=timeout)
     took = time.monotonic() - t0
     print(f"timeout {timeout}s surfaced after {took:.3f}s (bound [{timeout}, {timeout + 0.5}])")
     assert isinstance(e.value, TimeoutError) and "w1" in str(e.value)
     assert timeout <= took <= timeout + 0.5
-    fut = rrefrt.rpc_async("w2", fns.sleep_for, args=(5,), timeout=timeout)
+    fut = rrefrt.rpc_async("w2", fns.sleep_for, args=(timeout + 1.5,), timeout=timeout)
     with pytest.raises(rrefrt.RpcTimeoutError):
         fut.wait()
 

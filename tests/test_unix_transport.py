@@ -317,3 +317,28 @@ def test_a_killed_workers_socket_directory_is_removed_by_the_next_start(tmp_path
     finally:
         t.close(1.0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_framing_fast_paths_round_trip_at_their_boundaries() -> None:
+    """encode/Reader's one-frame fast paths (a small frame joined into the first buffer, a
+    larger one as its own buffer, no frame at all) cut back into the same messages as the
+    general path, whole or fed byte by byte, and mixed with multi-frame messages."""
+    from transport import unix_wire, wire
+
+    cases = [(wire.RESPONSE, 7, [0, []], []), (16, 8, [[]], [b""]), (16, 9, [[]], [b"a" * unix_wire.SMALL_FRAME]),
+             (16, 10, [[]], [b"b" * (unix_wire.SMALL_FRAME + 1)]), (16, 11, [[]], [bytearray(b"c" * 70_000)]),
+             (16, 12, [[], [[[1, 2], [3, 4]]]], [b"s", b"t" * 5000, b""])]
+    stream = b"".join(bytes(b) for k, i, m, fr in cases for b in unix_wire.encode(k, i, m, fr))
+    for chunk in (len(stream), 1, 4093):
+        r = unix_wire.Reader(1 << 20)
+        got: list = []
+        pos = 0
+        while pos < len(stream):
+            target = r.target()
+            n = min(len(target), chunk, len(stream) - pos)
+            target[:n] = stream[pos : pos + n]
+            pos += n
+            r.filled(n, got)
+        assert [(wire.decode_header(m.header), [bytes(f) for f in m.frames]) for m in got] == [
+            ((k, i, m), [bytes(f) for f in fr]) for k, i, m, fr in cases
+        ]

@@ -301,10 +301,14 @@ def rref_confirmed(rref: rrefrt.RRef) -> bool:
 
 
 def rref_confirmed_after_wait(rref: rrefrt.RRef) -> bool:
+    """A fork received from a user is confirmed once its user waits: ``confirmed_by_owner()``
+    registers it (NOTE [Lazy registration]) and waits for the owner's ack; after that
+    ``wait_received_confirmed`` returns True at once. (Waiting with it first, as this did,
+    ran to its 10 s deadline since lazy registration: it does not register the fork.)"""
     from rrefrt.rref import wait_received_confirmed
 
-    wait_received_confirmed([rref], time.monotonic() + 10)
-    return rref.confirmed_by_owner()
+    confirmed = rref.confirmed_by_owner()
+    return confirmed and wait_received_confirmed([rref], time.monotonic() + 10)
 
 
 def rref_type_name(rref: rrefrt.RRef) -> str:

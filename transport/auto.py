@@ -176,6 +176,15 @@ class AutoTransport:
             self.local.declare_dead(peer_id, cause)
         self._on_peer_dead(peer_id, cause)
 
+    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
+        """NOTE [Inline calls] in transport/unix_lead.py: only for what the unix transport's
+        receiver thread read (any other thread is told no)."""
+        return self.local is not None and self.local.run_inline(task, fallback)
+
+    def hand_off(self) -> None:
+        if self.local is not None:
+            self.local.hand_off()
+
     def __getattr__(self, name: str) -> Any:
         """Introspection of the inner transport (tests read its endpoints, options, stats
         parts); never used on a hot path."""

@@ -18,6 +18,9 @@ Rules:
    socket and a bell (eventfd). It reads whole messages, decodes the header once, and calls
    ``on_message`` or a request's ``on_done`` itself: no thread handoff on receipt. It also
    runs the timer heap (deadlines, ``call_later``, delayed fault-hook messages, heartbeats).
+   The runtime may ask it to run a call itself (``run_inline``): then the receiver role can
+   move to a standby thread (NOTE [Inline calls] in ``unix_lead``); "the receiver thread"
+   is whichever thread leads the loop now.
 3. Nothing from a connection is decoded before it is admitted (NOTE [Same-host admission]
    in docs/same-host.md): SO_PEERCRED uid = ours, then the HMAC challenge-response of
    ``unix_wire``. Until ``connect_peers`` gives the group, accepted connections wait.
@@ -28,7 +31,7 @@ Rules:
    ``heartbeat_timeout`` is declared dead. Dead peers stay fenced: their requests fail with
    PeerUnavailable, their late bytes are never read.
 5. Fault injection: ``fault_hook`` has the semantics of NOTE [Fault injection] in
-   ``transport.agent``; while a hook is installed every frame travels inline (no segment
+   ``transport.zmqsend``; while a hook is installed every frame travels inline (no segment
    is lent twice by a duplicated message).
 """
 
@@ -55,6 +58,7 @@ from . import hosts
 from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
 from .errors import AgentClosed, AuthenticationFailed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
 from .unix_admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
+from .unix_lead import Leadership, inline_enabled
 from .unix_loop import Loop
 
 log = logging.getLogger("rrefrt.transport")
@@ -149,6 +153,8 @@ class UnixTransport(Loop):
         self._closing = False
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-unix-{self.name}", daemon=True)
+        #: who runs the receiver loop now, and calls run inline (NOTE [Inline calls])
+        self._lead = Leadership(self.name, self._serve, inline_enabled(ex), self.stats)
 
     # ------------------------------------------------------------------ setup
     def listen(self) -> PeerAddress:
@@ -388,7 +394,7 @@ class UnixTransport(Loop):
         the socket does not take now is snapshot and written on EVENT_WRITE, so two
         processes answering each other from their receiver threads cannot wait on each
         other's full sockets with nobody reading."""
-        if block and threading.get_ident() == self._thread.ident:
+        if block and threading.get_ident() == self._lead.leader:
             block = False
         if not block:
             bufs = [b if isinstance(b, bytes) else bytes(b) for b in bufs]

@@ -30,13 +30,21 @@ class Loop:
     def _run(self: Any) -> None:
         hb = self.config.heartbeat_interval
         self._push_timer(time.monotonic() + hb, self._heartbeat)
+        self._lead.main()  # runs _serve here, and on the standby when it takes over
+
+    def _serve(self: Any) -> bool:
+        """Run the loop on the leading thread (NOTE [Inline calls] in transport/unix_lead.py)
+        until the transport closes (True, shut down) or the lead passed to the standby while
+        this thread ran an inline call (False: the loop's state is the new leader's now)."""
+        lead = self._lead
+        closed = True
         try:
             while not self._closing:
                 with self._tlock:
                     due = self._timers[0][0] if self._timers else time.monotonic() + 1.0
                     self._next_wake = due
                 timeout = max(0.0, due - time.monotonic())
-                if self._calls or self._releases:
+                if self._calls or self._releases or lead.queue:
                     timeout = 0.0
                 for key, events in self._sel.select(timeout):
                     data = key.data
@@ -71,10 +79,24 @@ class Loop:
                             break
                         _, _, fn = heapq.heappop(self._timers)
                     self._guard(fn)
+                if lead.queue and not lead.run_queued():  # at a consistent point only
+                    closed = False
+                    return False
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("receiver thread of %r crashed", self.name)
         finally:
-            self._shutdown()
+            if closed:
+                self._shutdown()
+        return True
+
+    def run_inline(self: Any, task: Any, fallback: Any) -> bool:
+        """From ``on_message`` on the receiver thread: run ``task`` on this thread once the
+        loop's iteration is done (NOTE [Inline calls]); False: hand it on yourself."""
+        return self._lead.run_inline(task, fallback)
+
+    def hand_off(self: Any) -> None:
+        """An inline call is about to block: the standby takes the loop over now."""
+        self._lead.hand_off()
 
     @staticmethod
     def _guard(fn: Any) -> None:
@@ -126,8 +148,9 @@ class Loop:
         sock, reader = peer.sock, peer.reader
         got, drained = 0, False
         while not msgs:
+            target = reader.target()
             try:
-                n, anc, _flags, _ = sock.recvmsg_into([reader.target()], _ANC)
+                n, anc, _flags, _ = sock.recvmsg_into([target], _ANC)
             except (BlockingIOError, InterruptedError):
                 drained = True
                 break
@@ -152,6 +175,12 @@ class Loop:
             except unix_wire.ProtocolError as e:
                 self._declare_dead(peer, f"it broke the same-host framing ({e})")
                 return True
+            if n < len(target):
+                # a short read: the socket was empty, so no recv that would only say EAGAIN
+                # (a syscall, and a release of the GIL to the caller's thread, per wake); the
+                # selector is level-triggered and reports what arrives after this read
+                drained = True
+                break
         self.stats["bytes_received"] += got
         return drained
 
@@ -330,14 +359,15 @@ class Loop:
             if peer.state == "up":
                 self._write(peer, bye, (), block=False)
         self._closing = True
-        if threading.get_ident() == self._thread.ident:
+        if threading.get_ident() == self._lead.leader:
             return  # called from a callback: the receiver thread shuts down when it returns
         if self._thread.ident is None:
             self._shutdown()
             return
         self._ring()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        # the loop may have moved to the standby thread (NOTE [Inline calls]): wait for it
+        # to finish shutting down rather than for the thread the loop started on
+        if not self._closed.wait(timeout):
             log.error("receiver thread of %r did not stop within %.1fs; abandoning it", self.name, timeout)
             self._fail_all()
 
@@ -379,6 +409,7 @@ class Loop:
             self._listener.close()
         self._unlink()
         self._pool.close()
+        self._lead.close()
         self._sel.close()
         try:
             os.close(self._bell)

@@ -43,7 +43,7 @@ import hashlib
 import hmac
 import secrets
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from . import wire
@@ -60,6 +60,9 @@ ADMIT = b"OK!!"
 _PREFIX = struct.Struct("<IHBx")
 _SHMDESC = struct.Struct("<IB3x")
 _LEN = struct.Struct("<Q")
+_PREFIX_1 = struct.Struct("<IHBxQ")  #: the prefix and table of a message with one frame
+#: a frame of at most this many bytes is copied into the message's first buffer by encode
+SMALL_FRAME = 4096
 FLAG_SHM = 1
 SHM_BIT = 1 << 63
 
@@ -101,6 +104,15 @@ def encode(
     flagged frames are not sent (the caller copied them into the segment) but keep their
     place in the table, so the receiver rebuilds the frames in their original order."""
     header = wire.encode_header(kind, msg_id, meta)
+    if shm is None and len(frames) <= 1:  # fast path: a call or answer, a control message
+        if not frames:
+            return [_PREFIX.pack(len(header), 0, 0) + header]
+        f = frames[0]
+        n = len(f)
+        head = _PREFIX_1.pack(len(header), 1, 0, n)
+        if n <= SMALL_FRAME:  # one buffer: one iovec for sendmsg, one copy of a few bytes
+            return [b"".join((head, header, f))]
+        return [head + header, f]
     flags = shm[2] if shm is not None else [False] * len(frames)
     table = b"".join(_LEN.pack(len(f) | SHM_BIT if s else len(f)) for f, s in zip(frames, flags))
     parts = [_PREFIX.pack(len(header), len(frames), FLAG_SHM if shm else 0), table]
@@ -110,13 +122,13 @@ def encode(
     return [b"".join(parts), *(f for f, s in zip(frames, flags) if not s and len(f))]
 
 
-@dataclass
+@dataclass(slots=True)
 class Incoming:
     """A message cut from the stream; the header is still undecoded."""
 
     header: bytes
     frames: list[Any]  #: every frame in order; None where the frame is in shared memory
-    shm_sizes: list[int] = field(default_factory=list)  #: sizes of those, in order
+    shm_sizes: Sequence[int] = ()  #: sizes of those, in order
     seg_id: int = 0
     fd_attached: bool = False
 
@@ -169,6 +181,16 @@ class Reader:
         hlen, nfr, flags, = _PREFIX.unpack_from(self.buf, s)
         if hlen > wire.MAX_HEADER_BYTES or nfr > wire.MAX_FRAMES:
             raise ProtocolError("message prefix out of bounds")
+        if nfr == 1 and not flags and avail >= _PREFIX_1.size:  # fast path: one inline frame, whole
+            n = _PREFIX_1.unpack_from(self.buf, s)[3]
+            b0 = s + _PREFIX_1.size
+            if not n & SHM_BIT and avail - _PREFIX_1.size >= hlen + n and hlen + n <= self.max_body:
+                view = self.view
+                f0 = b0 + hlen
+                # bytes, not views: the pickle stream is read through BytesIO, which shares bytes
+                out.append(Incoming(bytes(view[b0:f0]), [bytes(view[f0 : f0 + n])]))
+                self.start = f0 + n
+                return True
         table = _PREFIX.size + 8 * nfr + (_SHMDESC.size if flags & FLAG_SHM else 0)
         if table > len(self.buf):
             raise ProtocolError("message table too large")

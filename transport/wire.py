@@ -47,6 +47,7 @@ id that is not a member of the group, or exceeds the size limit.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import msgpack
@@ -77,8 +78,15 @@ def worker_id_of(rid: bytes) -> int | None:
     return wid if routing_id(wid) == rid else None
 
 
+_packers = threading.local()  #: one msgpack Packer per thread (packb builds one per call)
+
+
 def encode_header(kind: int, msg_id: int, meta: Any) -> bytes:
-    return msgpack.packb([WIRE_VERSION, kind, msg_id, meta], use_bin_type=True)
+    try:
+        pack = _packers.pack
+    except AttributeError:
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True).pack  # autoreset: bytes per call
+    return pack([WIRE_VERSION, kind, msg_id, meta])  # type: ignore[no-any-return]
 
 
 def decode_header(raw: bytes | memoryview) -> tuple[int, int, Any]:
