@@ -105,8 +105,6 @@ class RRef(Generic[T]):
         if not rec.confirmed and rec.fork_id != rec.rref_id and rec.error is None and self._pid == os.getpid():
             rt = self._rt
             if not rt.closed:
-                if not rec.registered:  # NOTE [Lazy registration] in docs/protocol.md
-                    rt.control.perform(rt.ctx.register_users([rec]))
                 wait_received_confirmed([self], time.monotonic() + rt.options.rpc_timeout)
         return rec.confirmed
 
@@ -345,13 +343,19 @@ def wait_received_confirmed(rrefs: Sequence[RRef[Any]], deadline: float) -> bool
     """Wait until every UserRRef in ``rrefs`` is confirmed by its owner (a fork from another
     user is confirmed one round trip to the owner after it arrived): what
     ``confirmed_by_owner()`` does for a received fork (NOTE [Early run] in docs/protocol.md;
-    the callee no longer waits before running a function). Bounded by ``deadline``; a fork
-    that fails (owner death, retries exhausted) ends the wait too. A pool thread waiting
-    here counts as blocked (NOTE [Blocked pool threads]). Returns False at the deadline."""
+    the callee no longer waits before running a function). A fork not yet registered with
+    its owner (NOTE [Lazy registration] in docs/protocol.md) is registered first: nothing
+    else would confirm it. Bounded by ``deadline``; a fork that fails (owner death, retries
+    exhausted) ends the wait too. A pool thread waiting here counts as blocked (NOTE
+    [Blocked pool threads]). Returns False at the deadline."""
     recs = [r._user_rec for r in rrefs if r._user_rec is not None and not r._user_rec.confirmed]
     if not recs:
         return True
-    ctx = rrefs[0]._rt.ctx
+    rt = rrefs[0]._rt
+    ctx = rt.ctx
+    lazy = [r for r in recs if not r.registered and r.fork_id != r.rref_id and r.error is None]
+    if lazy and not rt.closed:
+        rt.control.perform(ctx.register_users(lazy))
     pool = current_pool()
     with pool.blocking() if pool is not None else contextlib.nullcontext():
         with ctx._changed:  # notified on every confirmation and failure

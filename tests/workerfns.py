@@ -301,14 +301,15 @@ def rref_confirmed(rref: rrefrt.RRef) -> bool:
 
 
 def rref_confirmed_after_wait(rref: rrefrt.RRef) -> bool:
-    """A fork received from a user is confirmed once its user waits: ``confirmed_by_owner()``
-    registers it (NOTE [Lazy registration]) and waits for the owner's ack; after that
-    ``wait_received_confirmed`` returns True at once. (Waiting with it first, as this did,
-    ran to its 10 s deadline since lazy registration: it does not register the fork.)"""
+    """A fork received from a user is confirmed once its user waits for it:
+    ``wait_received_confirmed`` registers a fork not yet registered (NOTE [Lazy
+    registration]) and waits for the owner's ack, well within its deadline; after that
+    ``confirmed_by_owner()`` is True."""
     from rrefrt.rref import wait_received_confirmed
 
-    confirmed = rref.confirmed_by_owner()
-    return confirmed and wait_received_confirmed([rref], time.monotonic() + 10)
+    t0 = time.monotonic()
+    confirmed = wait_received_confirmed([rref], t0 + 10)
+    return confirmed and time.monotonic() - t0 < 5 and rref.confirmed_by_owner()
 
 
 def rref_type_name(rref: rrefrt.RRef) -> str:
