@@ -383,6 +383,8 @@ class Rendezvous:
         self._conflict = self._conflict or conflict
         forming = [t for t in parties if not self.store.check([f"rpc/done/{t.n}"])]  # not a formed group's
         for prefix in sorted({self.prefix} | {f"rpc/{t.gen}/" for t in forming}):
+            if conflict:  # written first: a reader of the abort knows whether to linger
+                self.store.set(prefix + "abort_conflict", b"1")
             self.store.set(prefix + "abort", msg.encode())
 
     def _check_conflicts(self) -> None:
@@ -491,7 +493,9 @@ class Rendezvous:
             if not pending:
                 return []
             if self.store.check([self.key("abort")]):
-                self._conflict = True
+                # only a conflict makes the host linger for every rank (NOTE [Conflicts]); a
+                # rank that never joined will not come, and waiting for it cost 10 s
+                self._conflict = self._conflict or self.store.check([self.key("abort_conflict")])
                 raise RendezvousError(self.store.get(self.key("abort"), 1.0).decode(errors="replace"))
             if conflicts:
                 self._check_conflicts()
