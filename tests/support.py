@@ -21,8 +21,38 @@ from typing import Any, Callable, Iterator
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORT_LOW = 20000
+_PORT_HIGH = max(_PORT_LOW + 1000, min(_ephemeral_low(), 32768))
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, for a test's rendezvous or worker. Picked at random
+    *below* the kernel's ephemeral range: a port from ``bind(0)`` is an ephemeral one, and
+    any outgoing connection of the suite's hundreds of processes could take it before the
+    worker binds it (a rendezvous test once failed with "already in use" that way). Never
+    the same port twice in one test process."""
+    import random
+
+    for _ in range(2000):
+        port = random.randrange(_PORT_LOW, _PORT_HIGH)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    with socket.socket() as s:  # the range is crowded: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from tests.support import free_port  # noqa: F401  (re-exported for the launcher tests)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "tests", "launcher_scripts")
@@ -57,12 +58,6 @@ def group_alive(pgid: int) -> list[int]:
             if fields[0] != b"Z" and int(fields[2]) == pgid:
                 out.append(int(entry))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher_env(**extra: str) -> dict[str, str]:
