@@ -67,6 +67,18 @@ _SEND_FLAGS = socket.MSG_NOSIGNAL
 _WAIT = 0.05  #: slice of a blocked sender's wait, between checks that the peer is still alive
 
 
+#: this process's pid, kept current across fork (a per-request getpid() was a syscall per call)
+_PID = os.getpid()
+
+
+def _after_fork() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def _answered(meta: Any, frames: Sequence[Any], err: Any) -> None:
     """``on_done`` of a request already answered (see ``_Pending.finish``)."""
 
@@ -125,7 +137,9 @@ class UnixTransport(Loop):
         self.shm_threshold: int = int(ex.get("shm_threshold", 256 << 10))  # 0 disables shared memory
         self.shm_copy_out: bool = bool(ex.get("shm_copy_out", False))
         self._dir_base: str | None = ex.get("unix_dir")
-        self.stats: collections.Counter = collections.Counter()
+        #: counters of rare events; the per-message ones are plain ints (cheaper), merged by ``stats``
+        self._stats: collections.Counter = collections.Counter()
+        self._n_sent = self._n_received = self._bytes_sent = self._bytes_received = 0
         self.fault_hook: Callable[[int, str], list[float]] | None = None
         self._pid = os.getpid()
         self._ids = itertools.count(1)
@@ -154,7 +168,17 @@ class UnixTransport(Loop):
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-unix-{self.name}", daemon=True)
         #: who runs the receiver loop now, and calls run inline (NOTE [Inline calls])
-        self._lead = Leadership(self.name, self._serve, inline_enabled(ex), self.stats)
+        self._lead = Leadership(self.name, self._serve, inline_enabled(ex), self._stats)
+
+    @property
+    def stats(self) -> collections.Counter:
+        """A snapshot of the counters (for tests and debug info; writing to it changes nothing)."""
+        c = collections.Counter(self._stats)
+        for key, n in (("messages_sent", self._n_sent), ("messages_received", self._n_received),
+                       ("bytes_sent", self._bytes_sent), ("bytes_received", self._bytes_received)):
+            if n:
+                c[key] = n
+        return c
 
     # ------------------------------------------------------------------ setup
     def listen(self) -> PeerAddress:
@@ -170,7 +194,7 @@ class UnixTransport(Loop):
         s.listen(256)
         s.setblocking(False)
         self._listener = s
-        self._acceptor = Acceptor(self.id, self.incarnation, self.config.secret, self.stats)
+        self._acceptor = Acceptor(self.id, self.incarnation, self.config.secret, self._stats)
         return PeerAddress(host=host_key(), endpoints={"unix": path, "unix-host": host_key()})
 
     def start(self) -> None:
@@ -292,7 +316,7 @@ class UnixTransport(Loop):
             return
         peer = self._peers.get(dest)
         if peer is None or peer.state != "up":
-            self.stats["dropped_to_dead"] += 1
+            self._stats["dropped_to_dead"] += 1
             return
         self._send_app(peer, kind, msg_id, meta, frames, label)
 
@@ -347,12 +371,17 @@ class UnixTransport(Loop):
 
     # ------------------------------------------------------------------ sending
     def _check_usable(self) -> None:
-        if os.getpid() != self._pid:
+        if _PID != self._pid:
             raise AgentClosed(f"the transport of worker {self.name!r} was created in another process (fork)")
         if self._closing:
             raise AgentClosed(f"the transport of worker {self.name!r} is closed")
 
     def _check_size(self, frames: Sequence[Any]) -> None:
+        if not frames:
+            return
+        if len(frames) == 1 and type(frames[0]) is bytes:  # the common case: one small frame
+            if len(frames[0]) <= self.config.max_message_size:
+                return
         total = sum(f.nbytes if isinstance(f, memoryview) else len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in frames)
         if total > self.config.max_message_size:
             raise MessageTooLarge(f"message of {total} bytes exceeds the limit of {self.config.max_message_size} bytes")
@@ -366,6 +395,10 @@ class UnixTransport(Loop):
                     self._write(peer, bufs, ())
                 else:
                     self._push_timer(time.monotonic() + delay, lambda: self._write(peer, bufs, (), block=False))
+            return
+        if not frames or (len(frames) == 1 and type(frames[0]) is bytes and len(frames[0]) < unix_wire.SMALL_FRAME):
+            # the common case (a call or an answer): nothing for shared memory, nothing to cast
+            self._write(peer, unix_wire.encode(kind, msg_id, meta, frames), ())
             return
         views = [f if isinstance(f, bytes) else memoryview(f).cast("B") for f in frames]
         big = [v for v in views if self.shm_threshold and len(v) >= self.shm_threshold]
@@ -382,7 +415,7 @@ class UnixTransport(Loop):
         dst.release()
         attach = peer.spec.id not in seg.known_by
         seg.known_by.add(peer.spec.id)
-        self.stats["shm_frames_sent"] += len(big)
+        self._stats["shm_frames_sent"] += len(big)
         bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags))
         if not self._write(peer, bufs, (seg.fd,) if attach else ()):
             self._pool.peer_gone(peer.spec.id)
@@ -396,6 +429,21 @@ class UnixTransport(Loop):
         other's full sockets with nobody reading."""
         if block and threading.get_ident() == self._lead.leader:
             block = False
+        if not fds and peer.state == "up" and not self._closing and peer.send_lock.acquire(blocking=False):
+            # the fast path: the lock is free; with nothing queued or half-written ahead of this
+            # message (checked under the lock: a message of this thread queued earlier must go
+            # first) it is written at once, without a place in the queue
+            try:
+                direct = not peer.outq and peer.cur is None
+                ok = self._write_now(peer, bufs, block) if direct else True
+            finally:
+                peer.send_lock.release()
+            if direct:
+                if (peer.outq or peer.cur is not None) and not peer.want_write:
+                    self._try_flush(peer)  # queued while this thread held the lock (Rule 1)
+                if ok and block:
+                    self._n_sent += 1
+                return ok
         if not block:
             bufs = [b if isinstance(b, bytes) else bytes(b) for b in bufs]
         with peer.q_lock:
@@ -417,8 +465,44 @@ class UnixTransport(Loop):
                     return False
         if (peer.outq or peer.cur is not None) and not peer.want_write:
             self._try_flush(peer)
-        self.stats["messages_sent"] += 1
+        self._n_sent += 1
         return True
+
+    def _write_now(self, peer: _Peer, bufs: list, block: bool) -> bool:
+        """Write one message directly (send lock held, nothing queued or half-written). What
+        the socket does not take becomes ``peer.cur`` with the seq already written, so that
+        finishing it moves ``written`` for nobody; it is finished here (``block``) or, never
+        blocking, on EVENT_WRITE (a snapshot of the rest: the caller's buffers may change)."""
+        sock = peer.sock
+        if sock is None:
+            return False
+        try:
+            n = sock.sendmsg(bufs, (), _SEND_FLAGS)
+        except BlockingIOError:
+            n = 0
+        except OSError as e:
+            self._broken(peer, f"its socket failed: {e.strerror or e}")
+            return False
+        self._bytes_sent += n
+        if len(bufs) == 1 and type(bufs[0]) is bytes:
+            if n == len(bufs[0]):
+                return True
+            rest = [memoryview(bufs[0])[n:]]
+        else:
+            rest = []
+            for b in bufs:
+                v = b if type(b) is bytes else memoryview(b).cast("B")
+                if n >= len(v):
+                    n -= len(v)
+                    continue
+                rest.append(memoryview(v)[n:] if n else v)
+                n = 0
+            if not rest:
+                return True
+        if not block:
+            rest = [bytes(v) for v in rest]
+        peer.cur = [peer.written, rest, ()]
+        return self._drain(peer, peer.written if block else None)
 
     def _try_flush(self, peer: _Peer) -> None:
         while (peer.outq or peer.cur is not None) and not peer.want_write and peer.state == "up":
@@ -459,7 +543,7 @@ class UnixTransport(Loop):
                 self._broken(peer, f"its socket failed: {e.strerror or e}")
                 return False
             if n:
-                self.stats["bytes_sent"] += n
+                self._bytes_sent += n
                 while n:
                     head = rest[0]
                     if n >= len(head):
@@ -557,7 +641,7 @@ class UnixTransport(Loop):
         table = self._self_pending if p.dest == self.id else self._peers[p.dest].pending
         if table.get(msg_id) is p:
             del table[msg_id]
-            self.stats["requests_timed_out"] += 1
+            self._stats["requests_timed_out"] += 1
             p.finish(None, (), RequestTimeout(self.peer_name(p.dest), p.timeout))
 
 

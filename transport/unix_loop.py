@@ -38,12 +38,17 @@ class Loop:
         this thread ran an inline call (False: the loop's state is the new leader's now)."""
         lead = self._lead
         closed = True
+        tlock, timers = self._tlock, self._timers
+        with tlock:
+            due = timers[0][0] if timers else time.monotonic() + 1.0
+            self._next_wake = due
         try:
             while not self._closing:
-                with self._tlock:
-                    due = self._timers[0][0] if self._timers else time.monotonic() + 1.0
-                    self._next_wake = due
-                timeout = max(0.0, due - time.monotonic())
+                # ``due`` and ``_next_wake`` were set together, under the timer lock, at the end
+                # of the last iteration (after its timers ran): one lock round trip per wake
+                timeout = due - time.monotonic()
+                if timeout < 0.0:
+                    timeout = 0.0
                 if self._calls or self._releases or lead.queue:
                     timeout = 0.0
                 for key, events in self._sel.select(timeout):
@@ -74,10 +79,12 @@ class Loop:
                     self._watch_writes()
                 now = time.monotonic()
                 while True:
-                    with self._tlock:
-                        if not self._timers or self._timers[0][0] > now:
+                    with tlock:
+                        if not timers or timers[0][0] > now:
+                            due = timers[0][0] if timers else now + 1.0
+                            self._next_wake = due
                             break
-                        _, _, fn = heapq.heappop(self._timers)
+                        _, _, fn = heapq.heappop(timers)
                     self._guard(fn)
                 if lead.queue and not lead.run_queued():  # at a consistent point only
                     closed = False
@@ -137,7 +144,7 @@ class Loop:
             drained = self._read_some(peer, msgs)
             for m in msgs:
                 if peer.state != "up":
-                    self.stats["fenced_dropped"] += 1
+                    self._stats["fenced_dropped"] += 1
                     continue
                 self._incoming(peer, m)
             if drained:
@@ -181,11 +188,11 @@ class Loop:
                 # selector is level-triggered and reports what arrives after this read
                 drained = True
                 break
-        self.stats["bytes_received"] += got
+        self._bytes_received += got
         return drained
 
     def _incoming(self: Any, peer: Any, m: unix_wire.Incoming) -> None:
-        self.stats["messages_received"] += 1
+        self._n_received += 1
         frames = m.frames
         if m.shm_sizes:
             try:
@@ -206,11 +213,11 @@ class Loop:
             release = lambda: self._released(pid, seg_id)  # noqa: E731
             mapped = iter(shm.frames_of(mapping, m.shm_sizes, release, self.shm_copy_out))
             frames = [f if f is not None else next(mapped) for f in frames]
-            self.stats["shm_frames_received"] += len(m.shm_sizes)
+            self._stats["shm_frames_received"] += len(m.shm_sizes)
         try:
             kind, msg_id, meta = wire.decode_header(m.header)
         except wire.MalformedMessage:
-            self.stats["bad_frames_dropped"] += 1
+            self._stats["bad_frames_dropped"] += 1
             return
         self._dispatch(peer, kind, msg_id, meta, frames)
 
@@ -242,7 +249,7 @@ class Loop:
             table = peer.pending if peer is not None else self._self_pending
             p = table.pop(msg_id, None)
             if p is None:
-                self.stats["late_responses_dropped"] += 1
+                self._stats["late_responses_dropped"] += 1
                 return
             if p.bucket:
                 self._disarm(p, msg_id)
@@ -266,7 +273,7 @@ class Loop:
         elif kind == unix_wire.BYE and peer is not None:
             peer.bye = True
         else:
-            self.stats["bad_frames_dropped"] += 1
+            self._stats["bad_frames_dropped"] += 1
 
     def _forget(self: Any, forget: list[tuple[int, int]]) -> None:
         by_peer: dict[int, list[int]] = {}
@@ -322,7 +329,7 @@ class Loop:
             return
         level = logging.INFO if peer.bye else logging.WARNING  # an orderly close is no alarm
         log.log(level, "worker %r declared dead by %r: %s", peer.spec.name, self.name, cause)
-        self.stats["peers_declared_dead"] += 1
+        self._stats["peers_declared_dead"] += 1
         if peer.sock is not None:
             try:
                 self._sel.unregister(peer.sock.fileno())
