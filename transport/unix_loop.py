@@ -10,7 +10,7 @@ import array
 import heapq
 import logging
 import os
-import selectors
+import select
 import socket
 import threading
 import time
@@ -23,6 +23,54 @@ log = logging.getLogger("rrefrt.transport")
 
 _ANC = socket.CMSG_SPACE(4 * 32)
 _READS_PER_WAKE = 64
+READ, WRITE = select.EPOLLIN, select.EPOLLOUT
+_ERR = select.EPOLLERR | select.EPOLLHUP
+BELL = ("bell",)  #: the data of the bell's fd
+
+
+class Poller:
+    """The receiver's wait: an epoll set and what each fd stands for. ``selectors`` did the
+    same with a key object, an events translation and a list per wake; this is its subset."""
+
+    def __init__(self) -> None:
+        self._ep = select.epoll()
+        self._data: dict[int, Any] = {}
+        self._events: dict[int, int] = {}
+
+    def register(self, fd: int, events: int, data: Any) -> None:
+        self._ep.register(fd, events)
+        self._data[fd], self._events[fd] = data, events
+
+    def modify(self, fd: int, events: int, data: Any) -> None:
+        self._ep.modify(fd, events)
+        self._data[fd], self._events[fd] = data, events
+
+    def unregister(self, fd: int) -> None:
+        """KeyError if ``fd`` is not registered (as ``selectors``)."""
+        del self._data[fd], self._events[fd]
+        try:
+            self._ep.unregister(fd)
+        except OSError:
+            pass  # closed already: the kernel dropped it
+
+    def events_of(self, fd: int) -> int:
+        return self._events.get(fd, 0)
+
+    def poll(self, timeout: float) -> list[tuple[int, Any, int]]:
+        """[(fd, data, READ and/or WRITE)]; an error or hang-up counts as what it waits for."""
+        out = []
+        data, want = self._data, self._events
+        for fd, ev in self._ep.poll(timeout, 64):
+            d = data.get(fd)
+            if d is None:
+                continue
+            if ev & _ERR:
+                ev |= READ | WRITE
+            out.append((fd, d, ev & want[fd]))
+        return out
+
+    def close(self) -> None:
+        self._ep.close()
 
 
 class Loop:
@@ -51,23 +99,23 @@ class Loop:
                     timeout = 0.0
                 if self._calls or self._releases or lead.queue:
                     timeout = 0.0
-                for key, events in self._sel.select(timeout):
-                    data = key.data
-                    if data == "bell":
+                for fd, data, events in self._sel.poll(timeout):
+                    if data is BELL:
                         self._bell_rung = False
                         try:
                             os.eventfd_read(self._bell)
                         except OSError:
                             pass
-                    elif data == "listen":
-                        for s in self._acceptor.accept(self._listener):
-                            self._sel.register(s.fileno(), selectors.EVENT_READ, ("adm", s))
                     elif type(data) is tuple:
-                        self._admission(*self._acceptor.feed(key.fd))
+                        if data[0] == "listen":
+                            for s in self._acceptor.accept(self._listener):
+                                self._sel.register(s.fileno(), READ, ("adm", s))
+                        else:
+                            self._admission(*self._acceptor.feed(fd))
                     else:
-                        if events & selectors.EVENT_WRITE:
+                        if events & WRITE:
                             self._writable(data)
-                        if events & selectors.EVENT_READ:
+                        if events & READ:
                             self._read(data)
                 while self._calls:
                     fn = self._calls.popleft()
@@ -123,15 +171,14 @@ class Loop:
 
     def _writable(self: Any, peer: Any) -> None:
         peer.want_write = False
-        self._sel.modify(peer.sock.fileno(), selectors.EVENT_READ, peer)
+        self._sel.modify(peer.sock.fileno(), READ, peer)
         self._try_flush(peer)
 
     def _watch_writes(self: Any) -> None:
         for peer in list(self._peers.values()):
             if peer.want_write and peer.state == "up" and peer.sock is not None:
-                key = self._sel.get_key(peer.sock.fileno())
-                if not key.events & selectors.EVENT_WRITE:
-                    self._sel.modify(peer.sock.fileno(), selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
+                if not self._sel.events_of(peer.sock.fileno()) & WRITE:
+                    self._sel.modify(peer.sock.fileno(), READ | WRITE, peer)
 
     # ------------------------------------------------------------------ reading
     def _read(self: Any, peer: Any) -> None:
