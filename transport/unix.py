@@ -11,9 +11,11 @@ Rules:
    queue and a send lock; a sender queues its message, takes the lock and writes the queue
    up to and including its own message (so it returns only once its bytes are in the
    kernel: the arguments are a snapshot when ``request`` returns). Whoever releases the
-   lock re-checks the queue, so a message queued meanwhile is never stranded. The receiver
-   thread never blocks on a send: it writes only if the lock is free and the socket takes
-   the bytes, and otherwise waits for EVENT_WRITE.
+   lock re-checks the queue, so a message queued meanwhile is never stranded. A sender that
+   finds the lock free and nothing queued or half-written (checked under the lock) writes
+   at once, without queueing (``unix_send``). The receiver thread never blocks on a send:
+   it writes only if the lock is free and the socket takes the bytes, and otherwise waits
+   for EVENT_WRITE.
 2. One receiver thread per process waits in a selector over every peer socket, the listening
    socket and a bell (eventfd). It reads whole messages, decodes the header once, and calls
    ``on_message`` or a request's ``on_done`` itself: no thread handoff on receipt. It also

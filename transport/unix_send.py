@@ -60,8 +60,10 @@ class Send:
                 else:
                     self._push_timer(time.monotonic() + delay, lambda: self._write(peer, bufs, (), block=False))
             return
-        if not frames or (len(frames) == 1 and type(frames[0]) is bytes and len(frames[0]) < unix_wire.SMALL_FRAME):
-            # the common case (a call or an answer): nothing for shared memory, nothing to cast
+        if not frames or (
+            len(frames) == 1 and type(frames[0]) is bytes and (n := len(frames[0])) < unix_wire.SMALL_FRAME
+            and (n < self.shm_threshold or not self.shm_threshold)
+        ):  # the common case (a call or an answer): nothing for shared memory, nothing to cast
             self._write(peer, unix_wire.encode(kind, msg_id, meta, frames), ())
             return
         views = [f if isinstance(f, bytes) else memoryview(f).cast("B") for f in frames]
