@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -342,3 +343,76 @@ def test_framing_fast_paths_round_trip_at_their_boundaries() -> None:
         assert [(wire.decode_header(m.header), [bytes(f) for f in m.frames]) for m in got] == [
             ((k, i, m), [bytes(f) for f in fr]) for k, i, m, fr in cases
         ]
+
+
+def _pair(on1: Any, **extra: Any) -> tuple[UnixTransport, UnixTransport]:
+    """Two same-host transports in this process, joined over a real AF_UNIX socket."""
+    t0 = UnixTransport(TransportConfig(0, "w0", 70, kind="unix", extra=extra), lambda *a: None, lambda p, c: None)
+    t1 = UnixTransport(TransportConfig(1, "w1", 71, kind="unix", extra=extra), on1, lambda p, c: None)
+    specs = [PeerSpec(0, "w0", 70, t0.listen()), PeerSpec(1, "w1", 71, t1.listen())]
+    t0.start()
+    t1.start()
+    th = threading.Thread(target=t1.connect_peers, args=(specs, 20.0), daemon=True)
+    th.start()
+    t0.connect_peers(specs, 20.0)
+    th.join(20)
+    return t0, t1
+
+
+def test_direct_writes_from_many_threads_stay_whole_and_in_order_through_a_full_socket() -> None:
+    """The send fast path (lock free, nothing queued: write at once) against the queue: four
+    threads interleave small and large messages while the receiver holds its thread, so the
+    socket fills, writers block and others queue behind them; every message arrives whole and
+    in each thread's order, and the receiver thread's answers (never blocking) arrive too."""
+    got: list = []
+    hold = threading.Event()
+    t1: Any = None
+
+    def on1(src: int, kind: int, msg_id: int, meta: Any, frames: list) -> None:
+        hold.wait(30)  # the first message holds the receiver: the socket fills up
+        got.append((meta, bytes(frames[0]) if frames else b""))
+        if meta[1] % 50 == 0:  # answers from the receiver thread: direct or EVENT_WRITE
+            t1.send(0, 17, meta, [bytes(5 << 20)])
+
+    t0, t1 = _pair(on1, shm_threshold=0)
+    answers: queue.Queue = queue.Queue()
+    hold0 = threading.Event()  # this side's receiver holds too: the answers fill its socket
+
+    def on0(src: int, kind: int, msg_id: int, meta: Any, frames: list) -> None:
+        hold0.wait(30)
+        answers.put(meta)
+
+    t0._on_message = on0
+    try:
+        n_threads, per = 4, 150
+
+        def payload(t: int, i: int) -> bytes:
+            size = (5 << 20) if i % 30 == 7 else (1 << 20) if i % 7 == 0 else (10 + i)
+            return bytes([t * 16 + i % 16]) * size
+
+        def worker(t: int) -> None:
+            for i in range(per):
+                t0.send(1, 16, [t, i], [payload(t, i)])
+
+        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(n_threads)]
+        for th in threads:
+            th.start()
+        poll_for(lambda: t0._peers[1].outq or t0._peers[1].cur is not None, 20, "a sender finds the socket full")
+        hold.set()
+        for th in threads:
+            th.join(30)
+            assert not th.is_alive()
+        hold0.set()
+        poll_for(lambda: len(got) == n_threads * per, 30, "every message arrives")
+        for t in range(n_threads):
+            mine = [(m[1], f) for m, f in got if m[0] == t]
+            assert [i for i, _ in mine] == list(range(per)), f"thread {t}'s messages out of order"
+            assert all(f == payload(t, i) for i, f in mine), f"thread {t}'s payload damaged"
+        want = sorted([t, i] for t in range(n_threads) for i in range(0, per, 50))
+        assert sorted(answers.get(timeout=20) for _ in want) == want
+        assert t0.stats["messages_sent"] == n_threads * per and t1.stats["messages_received"] == n_threads * per
+    finally:
+        hold.set()
+        hold0.set()
+        t0.close()
+        t1.close()

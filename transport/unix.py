@@ -11,9 +11,11 @@ Rules:
    queue and a send lock; a sender queues its message, takes the lock and writes the queue
    up to and including its own message (so it returns only once its bytes are in the
    kernel: the arguments are a snapshot when ``request`` returns). Whoever releases the
-   lock re-checks the queue, so a message queued meanwhile is never stranded. The receiver
-   thread never blocks on a send: it writes only if the lock is free and the socket takes
-   the bytes, and otherwise waits for EVENT_WRITE.
+   lock re-checks the queue, so a message queued meanwhile is never stranded. A sender that
+   finds the lock free and nothing queued or half-written (checked under the lock) writes
+   at once, without queueing (``unix_send``). The receiver thread never blocks on a send:
+   it writes only if the lock is free and the socket takes the bytes, and otherwise waits
+   for EVENT_WRITE.
 2. One receiver thread per process waits in a selector over every peer socket, the listening
    socket and a bell (eventfd). It reads whole messages, decodes the header once, and calls
    ``on_message`` or a request's ``on_done`` itself: no thread handoff on receipt. It also
@@ -37,14 +39,12 @@ Rules:
 
 from __future__ import annotations
 
-import array
 import collections
 import heapq
 import itertools
 import logging
 import os
 import secrets
-import selectors
 import shutil
 import socket
 import tempfile
@@ -56,15 +56,14 @@ from typing import Any, Callable, Sequence
 from . import shm, unix_wire, wire
 from . import hosts
 from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
-from .errors import AgentClosed, AuthenticationFailed, MessageTooLarge, PeerUnavailable, RequestTimeout, TransportError
+from .errors import AuthenticationFailed, PeerUnavailable, RequestTimeout, TransportError
 from .unix_admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
 from .unix_lead import Leadership, inline_enabled
-from .unix_loop import Loop
+from .unix_loop import BELL, READ, Loop, Poller
+from .unix_send import Send
 
 log = logging.getLogger("rrefrt.transport")
 
-_SEND_FLAGS = socket.MSG_NOSIGNAL
-_WAIT = 0.05  #: slice of a blocked sender's wait, between checks that the peer is still alive
 
 
 def _answered(meta: Any, frames: Sequence[Any], err: Any) -> None:
@@ -111,7 +110,7 @@ class _Peer:
     bye: bool = False
 
 
-class UnixTransport(Loop):
+class UnixTransport(Send, Loop):
     """The ``Transport`` of transport/base.py over AF_UNIX streams (module docstring)."""
 
     def __init__(self, config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> None:
@@ -125,7 +124,9 @@ class UnixTransport(Loop):
         self.shm_threshold: int = int(ex.get("shm_threshold", 256 << 10))  # 0 disables shared memory
         self.shm_copy_out: bool = bool(ex.get("shm_copy_out", False))
         self._dir_base: str | None = ex.get("unix_dir")
-        self.stats: collections.Counter = collections.Counter()
+        #: counters of rare events; the per-message ones are plain ints (cheaper), merged by ``stats``
+        self._stats: collections.Counter = collections.Counter()
+        self._n_sent = self._n_received = self._bytes_sent = self._bytes_received = 0
         self.fault_hook: Callable[[int, str], list[float]] | None = None
         self._pid = os.getpid()
         self._ids = itertools.count(1)
@@ -142,8 +143,8 @@ class UnixTransport(Loop):
         self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._bell_rung = False
         self._watch_needed = False
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._bell, selectors.EVENT_READ, "bell")
+        self._sel = Poller()
+        self._sel.register(self._bell, READ, BELL)
         self._pool = shm.SegmentPool(f"{self.name}", int(ex.get("shm_pool_bytes", 256 << 20)))
         self._listener: socket.socket | None = None
         self._dir: str | None = None
@@ -154,7 +155,17 @@ class UnixTransport(Loop):
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-unix-{self.name}", daemon=True)
         #: who runs the receiver loop now, and calls run inline (NOTE [Inline calls])
-        self._lead = Leadership(self.name, self._serve, inline_enabled(ex), self.stats)
+        self._lead = Leadership(self.name, self._serve, inline_enabled(ex), self._stats)
+
+    @property
+    def stats(self) -> collections.Counter:
+        """A snapshot of the counters (for tests and debug info; writing to it changes nothing)."""
+        c = collections.Counter(self._stats)
+        for key, n in (("messages_sent", self._n_sent), ("messages_received", self._n_received),
+                       ("bytes_sent", self._bytes_sent), ("bytes_received", self._bytes_received)):
+            if n:
+                c[key] = n
+        return c
 
     # ------------------------------------------------------------------ setup
     def listen(self) -> PeerAddress:
@@ -170,12 +181,12 @@ class UnixTransport(Loop):
         s.listen(256)
         s.setblocking(False)
         self._listener = s
-        self._acceptor = Acceptor(self.id, self.incarnation, self.config.secret, self.stats)
+        self._acceptor = Acceptor(self.id, self.incarnation, self.config.secret, self._stats)
         return PeerAddress(host=host_key(), endpoints={"unix": path, "unix-host": host_key()})
 
     def start(self) -> None:
         if self._listener is not None:
-            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+            self._sel.register(self._listener.fileno(), READ, ("listen",))
         self._thread.start()
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
@@ -251,7 +262,7 @@ class UnixTransport(Loop):
         peer.last_rx = time.monotonic()
         peer.state = "up"
         self._by_fd[sock.fileno()] = peer
-        self._sel.register(sock, selectors.EVENT_READ, peer)
+        self._sel.register(sock.fileno(), READ, peer)
         with self._joined:
             self._joined.notify_all()
 
@@ -292,7 +303,7 @@ class UnixTransport(Loop):
             return
         peer = self._peers.get(dest)
         if peer is None or peer.state != "up":
-            self.stats["dropped_to_dead"] += 1
+            self._stats["dropped_to_dead"] += 1
             return
         self._send_app(peer, kind, msg_id, meta, frames, label)
 
@@ -344,154 +355,6 @@ class UnixTransport(Loop):
     def shm_segments(self) -> tuple[int, int]:
         """(segments in the pool, segments lent to peers now): for tests and debug info."""
         return self._pool.count(), self._pool.lent()
-
-    # ------------------------------------------------------------------ sending
-    def _check_usable(self) -> None:
-        if os.getpid() != self._pid:
-            raise AgentClosed(f"the transport of worker {self.name!r} was created in another process (fork)")
-        if self._closing:
-            raise AgentClosed(f"the transport of worker {self.name!r} is closed")
-
-    def _check_size(self, frames: Sequence[Any]) -> None:
-        total = sum(f.nbytes if isinstance(f, memoryview) else len(f) if isinstance(f, (bytes, bytearray)) else memoryview(f).nbytes for f in frames)
-        if total > self.config.max_message_size:
-            raise MessageTooLarge(f"message of {total} bytes exceeds the limit of {self.config.max_message_size} bytes")
-
-    def _send_app(self, peer: _Peer, kind: int, msg_id: int, meta: Any, frames: Sequence[Any], label: str) -> None:
-        hook = self.fault_hook
-        if hook is not None:
-            bufs = unix_wire.encode(kind, msg_id, meta, [bytes(memoryview(f).cast("B")) for f in frames])
-            for delay in hook(peer.spec.id, label):
-                if delay <= 0:
-                    self._write(peer, bufs, ())
-                else:
-                    self._push_timer(time.monotonic() + delay, lambda: self._write(peer, bufs, (), block=False))
-            return
-        views = [f if isinstance(f, bytes) else memoryview(f).cast("B") for f in frames]
-        big = [v for v in views if self.shm_threshold and len(v) >= self.shm_threshold]
-        if not big:
-            self._write(peer, unix_wire.encode(kind, msg_id, meta, views), ())
-            return
-        flags = [bool(self.shm_threshold) and len(v) >= self.shm_threshold for v in views]
-        sizes = [len(v) for v in big]
-        offsets, used = shm.layout(sizes)
-        seg = self._pool.acquire(used, peer.spec.id)
-        dst = memoryview(seg.map)
-        for o, v in zip(offsets, big):
-            dst[o : o + len(v)] = v  # the one copy of a large frame
-        dst.release()
-        attach = peer.spec.id not in seg.known_by
-        seg.known_by.add(peer.spec.id)
-        self.stats["shm_frames_sent"] += len(big)
-        bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags))
-        if not self._write(peer, bufs, (seg.fd,) if attach else ()):
-            self._pool.peer_gone(peer.spec.id)
-
-    def _write(self, peer: _Peer, bufs: list, fds: Sequence[int], block: bool = True) -> bool:
-        """Queue one message to ``peer`` and write it (Rule 1). False if the peer is gone.
-
-        On the receiver thread (a callback answering at once) the write never blocks: what
-        the socket does not take now is snapshot and written on EVENT_WRITE, so two
-        processes answering each other from their receiver threads cannot wait on each
-        other's full sockets with nobody reading."""
-        if block and threading.get_ident() == self._lead.leader:
-            block = False
-        if not block:
-            bufs = [b if isinstance(b, bytes) else bytes(b) for b in bufs]
-        with peer.q_lock:
-            peer.queued += 1
-            seq = peer.queued
-            peer.outq.append((seq, bufs, fds))
-        if not block:
-            self._try_flush(peer)
-            return True
-        while peer.written < seq:
-            if peer.state == "dead" or self._closing:
-                return False
-            if peer.send_lock.acquire(timeout=_WAIT):
-                try:
-                    ok = self._drain(peer, seq)
-                finally:
-                    peer.send_lock.release()
-                if not ok:
-                    return False
-        if (peer.outq or peer.cur is not None) and not peer.want_write:
-            self._try_flush(peer)
-        self.stats["messages_sent"] += 1
-        return True
-
-    def _try_flush(self, peer: _Peer) -> None:
-        while (peer.outq or peer.cur is not None) and not peer.want_write and peer.state == "up":
-            if not peer.send_lock.acquire(blocking=False):
-                return  # its holder re-checks the queue after releasing
-            try:
-                ok = self._drain(peer, None)
-            finally:
-                peer.send_lock.release()
-            if not ok:
-                return  # broken: the receiver thread declares the peer dead
-
-    def _drain(self, peer: _Peer, until: int | None) -> bool:
-        """Write queued messages (send lock held). ``until``: block until that seq is written;
-        None: never block, ask for EVENT_WRITE when the socket is full."""
-        sock = peer.sock
-        if sock is None:
-            return False
-        while True:
-            if peer.cur is None:
-                if until is not None and peer.written >= until:
-                    return True
-                if not peer.outq:
-                    return True
-                seq, bufs, fds = peer.outq.popleft()
-                peer.cur = [seq, [memoryview(b).cast("B") if not isinstance(b, bytes) else b for b in bufs], fds]
-            seq, rest, fds = peer.cur
-            try:
-                if fds:
-                    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                    n = sock.sendmsg(rest, anc, _SEND_FLAGS)
-                    peer.cur[2] = ()
-                else:
-                    n = sock.sendmsg(rest, (), _SEND_FLAGS)
-            except BlockingIOError:
-                n = 0
-            except OSError as e:
-                self._broken(peer, f"its socket failed: {e.strerror or e}")
-                return False
-            if n:
-                self.stats["bytes_sent"] += n
-                while n:
-                    head = rest[0]
-                    if n >= len(head):
-                        n -= len(head)
-                        rest.pop(0)
-                    else:
-                        rest[0] = memoryview(head)[n:]
-                        n = 0
-                if not rest:
-                    peer.written = seq
-                    peer.cur = None
-                continue
-            if until is None:
-                if not peer.want_write:
-                    peer.want_write = True
-                    self._watch_needed = True
-                    self._ring()
-                return True
-            if peer.state == "dead" or self._closing:
-                return False
-            self._wait_writable(sock)
-
-    @staticmethod
-    def _wait_writable(sock: socket.socket) -> None:
-        import select
-
-        p = select.poll()
-        p.register(sock.fileno(), select.POLLOUT)
-        p.poll(int(_WAIT * 1000))
-
-    def _broken(self, peer: _Peer, cause: str) -> None:
-        self._call_soon(lambda: self._declare_dead(peer, cause))
 
     # ------------------------------------------------------------------ timers and bell
     def _arm(self, p: _Pending, msg_id: int) -> None:
@@ -557,7 +420,7 @@ class UnixTransport(Loop):
         table = self._self_pending if p.dest == self.id else self._peers[p.dest].pending
         if table.get(msg_id) is p:
             del table[msg_id]
-            self.stats["requests_timed_out"] += 1
+            self._stats["requests_timed_out"] += 1
             p.finish(None, (), RequestTimeout(self.peer_name(p.dest), p.timeout))
 
 

@@ -10,7 +10,7 @@ import array
 import heapq
 import logging
 import os
-import selectors
+import select
 import socket
 import threading
 import time
@@ -23,6 +23,54 @@ log = logging.getLogger("rrefrt.transport")
 
 _ANC = socket.CMSG_SPACE(4 * 32)
 _READS_PER_WAKE = 64
+READ, WRITE = select.EPOLLIN, select.EPOLLOUT
+_ERR = select.EPOLLERR | select.EPOLLHUP
+BELL = ("bell",)  #: the data of the bell's fd
+
+
+class Poller:
+    """The receiver's wait: an epoll set and what each fd stands for. ``selectors`` did the
+    same with a key object, an events translation and a list per wake; this is its subset."""
+
+    def __init__(self) -> None:
+        self._ep = select.epoll()
+        self._data: dict[int, Any] = {}
+        self._events: dict[int, int] = {}
+
+    def register(self, fd: int, events: int, data: Any) -> None:
+        self._ep.register(fd, events)
+        self._data[fd], self._events[fd] = data, events
+
+    def modify(self, fd: int, events: int, data: Any) -> None:
+        self._ep.modify(fd, events)
+        self._data[fd], self._events[fd] = data, events
+
+    def unregister(self, fd: int) -> None:
+        """KeyError if ``fd`` is not registered (as ``selectors``)."""
+        del self._data[fd], self._events[fd]
+        try:
+            self._ep.unregister(fd)
+        except OSError:
+            pass  # closed already: the kernel dropped it
+
+    def events_of(self, fd: int) -> int:
+        return self._events.get(fd, 0)
+
+    def poll(self, timeout: float) -> list[tuple[int, Any, int]]:
+        """[(fd, data, READ and/or WRITE)]; an error or hang-up counts as what it waits for."""
+        out = []
+        data, want = self._data, self._events
+        for fd, ev in self._ep.poll(timeout, 64):
+            d = data.get(fd)
+            if d is None:
+                continue
+            if ev & _ERR:
+                ev |= READ | WRITE
+            out.append((fd, d, ev & want[fd]))
+        return out
+
+    def close(self) -> None:
+        self._ep.close()
 
 
 class Loop:
@@ -38,31 +86,36 @@ class Loop:
         this thread ran an inline call (False: the loop's state is the new leader's now)."""
         lead = self._lead
         closed = True
+        tlock, timers = self._tlock, self._timers
+        with tlock:
+            due = timers[0][0] if timers else time.monotonic() + 1.0
+            self._next_wake = due
         try:
             while not self._closing:
-                with self._tlock:
-                    due = self._timers[0][0] if self._timers else time.monotonic() + 1.0
-                    self._next_wake = due
-                timeout = max(0.0, due - time.monotonic())
+                # ``due`` and ``_next_wake`` were set together, under the timer lock, at the end
+                # of the last iteration (after its timers ran): one lock round trip per wake
+                timeout = due - time.monotonic()
+                if timeout < 0.0:
+                    timeout = 0.0
                 if self._calls or self._releases or lead.queue:
                     timeout = 0.0
-                for key, events in self._sel.select(timeout):
-                    data = key.data
-                    if data == "bell":
+                for fd, data, events in self._sel.poll(timeout):
+                    if data is BELL:
                         self._bell_rung = False
                         try:
                             os.eventfd_read(self._bell)
                         except OSError:
                             pass
-                    elif data == "listen":
-                        for s in self._acceptor.accept(self._listener):
-                            self._sel.register(s.fileno(), selectors.EVENT_READ, ("adm", s))
                     elif type(data) is tuple:
-                        self._admission(*self._acceptor.feed(key.fd))
+                        if data[0] == "listen":
+                            for s in self._acceptor.accept(self._listener):
+                                self._sel.register(s.fileno(), READ, ("adm", s))
+                        else:
+                            self._admission(*self._acceptor.feed(fd))
                     else:
-                        if events & selectors.EVENT_WRITE:
+                        if events & WRITE:
                             self._writable(data)
-                        if events & selectors.EVENT_READ:
+                        if events & READ:
                             self._read(data)
                 while self._calls:
                     fn = self._calls.popleft()
@@ -74,10 +127,12 @@ class Loop:
                     self._watch_writes()
                 now = time.monotonic()
                 while True:
-                    with self._tlock:
-                        if not self._timers or self._timers[0][0] > now:
+                    with tlock:
+                        if not timers or timers[0][0] > now:
+                            due = timers[0][0] if timers else now + 1.0
+                            self._next_wake = due
                             break
-                        _, _, fn = heapq.heappop(self._timers)
+                        _, _, fn = heapq.heappop(timers)
                     self._guard(fn)
                 if lead.queue and not lead.run_queued():  # at a consistent point only
                     closed = False
@@ -116,15 +171,14 @@ class Loop:
 
     def _writable(self: Any, peer: Any) -> None:
         peer.want_write = False
-        self._sel.modify(peer.sock.fileno(), selectors.EVENT_READ, peer)
+        self._sel.modify(peer.sock.fileno(), READ, peer)
         self._try_flush(peer)
 
     def _watch_writes(self: Any) -> None:
         for peer in list(self._peers.values()):
             if peer.want_write and peer.state == "up" and peer.sock is not None:
-                key = self._sel.get_key(peer.sock.fileno())
-                if not key.events & selectors.EVENT_WRITE:
-                    self._sel.modify(peer.sock.fileno(), selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
+                if not self._sel.events_of(peer.sock.fileno()) & WRITE:
+                    self._sel.modify(peer.sock.fileno(), READ | WRITE, peer)
 
     # ------------------------------------------------------------------ reading
     def _read(self: Any, peer: Any) -> None:
@@ -137,7 +191,7 @@ class Loop:
             drained = self._read_some(peer, msgs)
             for m in msgs:
                 if peer.state != "up":
-                    self.stats["fenced_dropped"] += 1
+                    self._stats["fenced_dropped"] += 1
                     continue
                 self._incoming(peer, m)
             if drained:
@@ -181,11 +235,11 @@ class Loop:
                 # selector is level-triggered and reports what arrives after this read
                 drained = True
                 break
-        self.stats["bytes_received"] += got
+        self._bytes_received += got
         return drained
 
     def _incoming(self: Any, peer: Any, m: unix_wire.Incoming) -> None:
-        self.stats["messages_received"] += 1
+        self._n_received += 1
         frames = m.frames
         if m.shm_sizes:
             try:
@@ -206,11 +260,11 @@ class Loop:
             release = lambda: self._released(pid, seg_id)  # noqa: E731
             mapped = iter(shm.frames_of(mapping, m.shm_sizes, release, self.shm_copy_out))
             frames = [f if f is not None else next(mapped) for f in frames]
-            self.stats["shm_frames_received"] += len(m.shm_sizes)
+            self._stats["shm_frames_received"] += len(m.shm_sizes)
         try:
             kind, msg_id, meta = wire.decode_header(m.header)
         except wire.MalformedMessage:
-            self.stats["bad_frames_dropped"] += 1
+            self._stats["bad_frames_dropped"] += 1
             return
         self._dispatch(peer, kind, msg_id, meta, frames)
 
@@ -242,7 +296,7 @@ class Loop:
             table = peer.pending if peer is not None else self._self_pending
             p = table.pop(msg_id, None)
             if p is None:
-                self.stats["late_responses_dropped"] += 1
+                self._stats["late_responses_dropped"] += 1
                 return
             if p.bucket:
                 self._disarm(p, msg_id)
@@ -266,7 +320,7 @@ class Loop:
         elif kind == unix_wire.BYE and peer is not None:
             peer.bye = True
         else:
-            self.stats["bad_frames_dropped"] += 1
+            self._stats["bad_frames_dropped"] += 1
 
     def _forget(self: Any, forget: list[tuple[int, int]]) -> None:
         by_peer: dict[int, list[int]] = {}
@@ -322,7 +376,7 @@ class Loop:
             return
         level = logging.INFO if peer.bye else logging.WARNING  # an orderly close is no alarm
         log.log(level, "worker %r declared dead by %r: %s", peer.spec.name, self.name, cause)
-        self.stats["peers_declared_dead"] += 1
+        self._stats["peers_declared_dead"] += 1
         if peer.sock is not None:
             try:
                 self._sel.unregister(peer.sock.fileno())
