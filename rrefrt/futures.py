@@ -267,22 +267,26 @@ class Future(concurrent.futures.Future, Generic[T]):
             raise FutureAlreadyCompletedError(_TWICE)
         self._invoke_callbacks()
 
+    def _mark_done(self, result: Any, exc: BaseException | None) -> None:
+        """Under ``_lock``: store the outcome and wake ``concurrent.futures.wait`` waiters
+        and threads waiting on the condition (if one was built)."""
+        self._result, self._exception, self._state = result, exc, _cf.FINISHED
+        for waiter in self._waiters:
+            if exc is None:
+                waiter.add_result(self)
+            else:
+                waiter.add_exception(self)
+        cond = self._cond
+        if cond is not None:
+            cond.notify_all()
+
     def _settle(self, result: Any, exc: BaseException | None) -> bool:
         """Complete the state under the lock and wake waiters; False if it was done (or
         cancelled) already. The callbacks are the caller's to run."""
         with self._lock:
             if self._state in _DONE:
                 return False
-            self._result, self._exception, self._state = result, exc, _cf.FINISHED
-            if self._waiters:
-                for waiter in self._waiters:
-                    if exc is None:
-                        waiter.add_result(self)
-                    else:
-                        waiter.add_exception(self)
-            cond = self._cond
-            if cond is not None:
-                cond.notify_all()
+            self._mark_done(result, exc)
         return True
 
     # -- stdlib contract, with lazy decoding and compensation of blocked pool threads
@@ -389,16 +393,7 @@ class Future(concurrent.futures.Future, Generic[T]):
         with self._lock:
             if self._state in _DONE:
                 return
-            self._result, self._exception, self._state = result, exc, _cf.FINISHED
-            if self._waiters:
-                for waiter in self._waiters:
-                    if exc is None:
-                        waiter.add_result(self)
-                    else:
-                        waiter.add_exception(self)
-            cond = self._cond
-            if cond is not None:
-                cond.notify_all()
+            self._mark_done(result, exc)
             has_callbacks = bool(self._done_callbacks)
             # NOTE [torch interop]: the C++ side is completed lazily, when torch asks for it
             torch_now = self._torch_side and (self._torch_wanted or self._callback_pool is None)

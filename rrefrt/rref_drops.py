@@ -45,14 +45,18 @@ class ContextDrops:
 
     def users_dropped(self, fork_ids: Any) -> list[Action]:
         """``user_dropped`` for several forks under one lock (NOTE [Drops] in control.py)."""
-        actions: list[Action] = []
         with self._lock:
-            pending, confirmed = self.pending_users, self.confirmed_users
-            for fork_id in fork_ids:
-                rec = pending.get(fork_id) or confirmed.get(fork_id)
-                if rec is not None and rec.alive:
-                    rec.alive = False
-                    actions += self._maybe_delete(rec)
+            return self._drop_locked(fork_ids)
+
+    def _drop_locked(self, fork_ids: Any) -> list[Action]:
+        """Under ``_lock``: mark each live user fork of ``fork_ids`` dropped; its actions."""
+        actions: list[Action] = []
+        pending, confirmed = self.pending_users, self.confirmed_users
+        for fork_id in fork_ids:
+            rec = pending.get(fork_id) or confirmed.get(fork_id)
+            if rec is not None and rec.alive:
+                rec.alive = False
+                actions += self._maybe_delete(rec)
         return actions
 
     def try_user_dropped(self, fork_id: ForkId) -> int:
@@ -80,12 +84,7 @@ class ContextDrops:
         lock: the deletes per owner, ``{owner: [(rref id, fork id), ...]}`` in drop order, and
         the other actions (child accepts)."""
         with self._lock:
-            pending, confirmed = self.pending_users, self.confirmed_users
-            for fork_id in fork_ids:
-                rec = pending.get(fork_id) or confirmed.get(fork_id)
-                if rec is not None and rec.alive:
-                    rec.alive = False
-                    self._keep_unsent(self._maybe_delete(rec))
+            self._keep_unsent(self._drop_locked(fork_ids))
             deletes, self._unsent_deletes = self._unsent_deletes, {}
             other, self._unsent = self._unsent, []
             self.unsent_count = 0
