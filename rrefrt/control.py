@@ -60,7 +60,9 @@ all (``callee.serve_fetch_inline``).
 from __future__ import annotations
 
 import collections
+import gc
 import logging
+import os
 import queue
 import threading
 import time
@@ -241,6 +243,9 @@ DROP_DELAY = 0.02
 FIRST_BATCH = 32
 #: the control thread's wait when it has nothing to do (it re-checks ``_stop``)
 IDLE_WAIT = 0.5
+#: NOTE [Drops before a collection]: the longest a full garbage collection waits for the
+#: control thread to send the deletes that drops decided (sending 1000 takes about 0.5 ms)
+COLLECT_WAIT = 0.005
 
 
 #: NOTE [Release home]: values whose release runs no user code (exact types, not subclasses)
@@ -265,6 +270,7 @@ class ControlLoop:
         #: drop (NOTE [Drops], "one wake-up per burst")
         self._batching = False
         self._stop = False
+        self._pid = os.getpid()  #: the process whose control thread this is (NOTE [Drops before a collection])
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-{rt.info.name}-control", daemon=True)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Incoming: self._on_incoming,
@@ -282,6 +288,33 @@ class ControlLoop:
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
         self._thread.start()
+        gc.callbacks.append(self._gc_hook)
+
+    def _gc_hook(self, phase: str, info: dict[str, Any]) -> None:
+        """NOTE [Drops before a collection]: a full garbage collection holds the GIL for its
+        whole length (about 100 ms in a process that imported torch), so the control thread
+        that a burst of drops woke - ``del rrefs`` just before ``gc.collect()``, the benchmark's
+        drain and a common program pattern - could send their deletes only once it is over,
+        and the owner started on them then. Before a generation-2 collection starts, with
+        deletes decided and not yet sent, this thread hands the GIL to the control thread,
+        which sends them (a ``Sync``: it flushes the drops), and waits for that at most
+        ``COLLECT_WAIT``: the owner applies them while this process collects. Bounded and
+        deadlock-free: nothing is sent from here, and a collection that starts on the
+        control thread, while another thread flushes, or while the context's lock is held
+        (maybe by this very thread, which the flush would then wait for) does not wait at
+        all; one that starts while this thread holds a lock the send needs (a transport
+        lock) waits ``COLLECT_WAIT`` and goes on, and the deletes leave after it as
+        before."""
+        if phase != "start" or info.get("generation") != 2 or self._stop or os.getpid() != self._pid:
+            return  # a forked child inherits the hook, not the thread (NOTE [Fork safety])
+        if not (self.rt.ctx.unsent_count or len(self.drops)):
+            return
+        if (self._flush_lock.locked() or not self.rt.ctx.lock_free() or self.on_control_thread()
+                or not self._thread.is_alive()):
+            return
+        ev = threading.Event()
+        self.queue.put(Sync(ev))
+        ev.wait(COLLECT_WAIT)
 
     def put(self, item: ControlItem) -> None:
         self.queue.put(item)
@@ -436,6 +469,10 @@ class ControlLoop:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop = True
+        try:
+            gc.callbacks.remove(self._gc_hook)
+        except ValueError:  # never started, or stopped before
+            pass
         self.queue.put(Sync(threading.Event()))
         if self._thread.ident is not None and not self.on_control_thread():
             self._thread.join(timeout)

@@ -39,6 +39,11 @@ class ContextDrops:
     def _maybe_delete(self, rec: UserRecord) -> list[Action]:  # the context's (G1)
         raise NotImplementedError
 
+    def lock_free(self) -> bool:
+        """No thread holds the context's lock right now (a hint: NOTE [Drops before a
+        collection] in control.py)."""
+        return not self._lock.locked()
+
     def user_dropped(self, fork_id: ForkId) -> list[Action]:
         """The Python object of a user fork went away (its __del__ enqueued this)."""
         return self.users_dropped((fork_id,))

@@ -205,6 +205,35 @@ def test_protocol_runs_while_the_user_pool_is_saturated(cluster):
     assert_drained("w2")
 
 
+def test_deletes_of_dropped_rrefs_leave_before_a_full_collection(cluster):
+    """NOTE [Drops before a collection] (rrefrt/control.py): ``del rrefs; gc.collect()`` -
+    the collection holds this process's GIL throughout, and the control thread that the
+    drops woke could send their deletes only after it. They now leave as it starts: the
+    owner has applied them while this process is still collecting."""
+    base = counts("w1")["num_owner_rrefs"]
+    rrefs = [rrefrt.remote("w1", fns.identity, args=(i,)) for i in range(200)]
+    for r in rrefs:
+        poll_for(r.confirmed_by_owner, 10)
+    drained = rrefrt.rpc_async("w1", fns.when_owning_at_most, args=(base, 30.0))
+    garbage = [[] for _ in range(1_500_000)]  # a collection long enough to tell (~100 ms here)
+    ends: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            ends.append(time.monotonic())
+
+    gc.callbacks.append(on_gc)
+    try:
+        del rrefs, r
+        gc.collect()
+    finally:
+        gc.callbacks.remove(on_gc)
+    del garbage
+    owner_done = drained.wait()
+    assert owner_done < ends[0], f"the owner applied the deletes {owner_done - ends[0]:.3f}s after the collection"
+    assert_drained("w1")
+
+
 def test_ten_thousand_rrefs_user_to_user_then_dropped(cluster):
     t0 = time.monotonic()
     rrefs = [rrefrt.remote("w1", fns.identity, args=(i,)) for i in range(10_000)]

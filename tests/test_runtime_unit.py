@@ -551,6 +551,39 @@ def test_the_first_drops_of_a_burst_leave_when_they_wake_the_control_thread(grou
     poll_for(lambda: w0.ctx.counts() == dict.fromkeys(w0.ctx.counts(), 0), 5, lambda: w0.ctx.counts())
 
 
+def test_a_full_collection_waits_for_the_flush_only_when_deletes_wait(group: Group, monkeypatch: Any) -> None:
+    """NOTE [Drops before a collection]: a generation-2 collection that starts with deletes
+    decided and unsent hands them to the control thread first; with nothing to send, or
+    with the context's lock held (the flush would wait for it), it does not wait; a stopped
+    control loop leaves no hook in ``gc.callbacks``."""
+    import rrefrt.control as control
+
+    monkeypatch.setattr(control, "DROP_DELAY", 60.0)  # only the collection flushes, not a tick
+    monkeypatch.setattr(control, "FIRST_BATCH", 10_000)  # nor the drops' own wake-up
+    w0, w1 = group.rts[0], group.rts[1]
+    assert w0.control._gc_hook in gc.callbacks
+    syncs: list[int] = []
+    on_sync = w0.control._handlers[control.Sync]
+    monkeypatch.setitem(w0.control._handlers, control.Sync, lambda item: (syncs.append(1), on_sync(item)))
+    with group.as_worker(0):
+        base = rrefrt.rpc_sync("w1", owned_here)
+        gc.collect()
+        assert syncs == []  # nothing to send: no wait
+        refs = [rrefrt.remote("w1", add, args=(i, i)) for i in range(50)]
+        for r in refs:
+            poll_for(r.confirmed_by_owner, 5)
+        del refs, r
+        with w0.ctx._lock:
+            gc.collect()  # the context's lock is held: the flush would wait for this thread
+        assert syncs == [] and w0.ctx.unsent_count == 50
+        gc.collect()
+        assert syncs == [1]
+        assert w0.ctx.unsent_count == 0  # sent before the collection
+        poll_for(lambda: w1.ctx.counts()["num_owner_rrefs"] == base, 5, lambda: w1.ctx.counts())
+    w0.control.stop(5.0)
+    assert w0.control._gc_hook not in gc.callbacks
+
+
 def test_release_rrefs_collects_garbage_only_for_strict_leak_checks(group: Group, monkeypatch: Any) -> None:
     """Shutdown deletes every user fork, referenced or not: a full gc.collect() (~95 ms per
     rank with torch loaded) is needed only to tell live RRefs from garbage in strict mode."""

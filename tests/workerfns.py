@@ -185,6 +185,17 @@ def owner_counts() -> dict:
     return {k: info[k] for k in ("num_owner_rrefs", "num_forks", "num_pending_users", "num_pending_children", "num_confirmed_users")}
 
 
+def when_owning_at_most(n: int, timeout: float) -> float:
+    """The time.monotonic() (one clock for every process of this host) at which this worker
+    first owned at most ``n`` RRefs, checked every millisecond for at most ``timeout``."""
+    from tests.support import poll_for
+
+    def seen() -> float:
+        return time.monotonic() if int(rrefrt.get_debug_info()["num_owner_rrefs"]) <= n else 0.0
+
+    return poll_for(seen, timeout, f"this worker owning at most {n} RRefs", interval=0.001)
+
+
 def block_on_event(seconds: float) -> float:
     t0 = time.monotonic()
     threading.Event().wait(seconds)
