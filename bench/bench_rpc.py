@@ -33,6 +33,23 @@ VARIANT_ENV = {
 
 
 def free_port():
+    """A port nothing listens on, picked at random below the kernel's ephemeral range (a
+    ``bind(0)`` port is ephemeral: another process's outgoing connection may take it before
+    rank 0 binds it); the kernel's choice only if that range is crowded."""
+    import random
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    high = max(21000, min(low, 32768))
+    for _ in range(200):
+        port = random.randrange(20000, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -113,6 +130,17 @@ def run_backend(backend, group, quick, timeout, workloads=None):
     return report, problem
 
 
+def cpu_jiffies():
+    """(busy, steal) jiffies of the whole machine so far (/proc/stat; zeros elsewhere): steal is
+    time the hypervisor ran something else on our virtual cores - noise no pinning removes."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    steal = f[7] if len(f) > 7 else 0
+    return sum(f[:3]) + sum(f[5:7]), steal
+
+
 def fmt(v):
     if v is None:
         return "-"
@@ -171,6 +199,11 @@ def main():
     ap.add_argument("--json", metavar="PATH", help="save all results and ratios here")
     ap.add_argument("--repeat", type=int, default=1, help="rounds (backends interleaved); paired medians are reported")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per worker group")
+    ap.add_argument("--settle", type=float, default=None,
+                    help="seconds of idle between two worker groups (default 0.5, --quick 0): the group "
+                         "after a busy-polling one (torch) otherwise starts on a core still paying for it")
+    ap.add_argument("--no-rotate", action="store_true",
+                    help="keep the --backends order in every round (default: round k starts k places on)")
     ap.add_argument("--worker", metavar="BACKEND", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -191,13 +224,22 @@ def main():
           f"{' quick' if args.quick else ''} groups={','.join(groups)}", flush=True)
     runs = {b: [] for b in backends}  # backend -> one merged report per round (None if it failed)
     problems = {}
+    settle = args.settle if args.settle is not None else (0.0 if args.quick else 0.5)
+    first = True
     for rnd in range(args.repeat):  # backends interleaved, so drifting machine load hits both
-        for backend in backends:
+        # rotated: no backend always runs right after the same one (a group that follows
+        # torch's busy-polling threads measured 10-20% slower than the same code a place later)
+        k = 0 if args.no_rotate else rnd % len(backends)
+        for backend in backends[k:] + backends[:k]:
             merged = {"results": {}, "errors": {}}
             for group in groups:
+                if not first and settle > 0:
+                    time.sleep(settle)  # pacing the measurement, not synchronisation
+                first = False
                 print(f"== {backend} {group} (round {rnd + 1}/{args.repeat}): {GROUPS[group]} workers ...", flush=True)
-                t0 = time.monotonic()
+                t0, (busy0, steal0) = time.monotonic(), cpu_jiffies()
                 report, problem = run_backend(backend, group, args.quick, args.timeout, args.workloads)
+                busy, steal = (b - a for a, b in zip((busy0, steal0), cpu_jiffies()))
                 if problem:
                     problems.setdefault(backend, []).append(f"{group}: {problem}")
                     print(f"!! {backend} {group} FAILED: {problem}")
@@ -206,7 +248,8 @@ def main():
                     merged["errors"].update(report["errors"])
                     for name, err in report["errors"].items():
                         print(f"!! {backend} {name} failed: {err}")
-                print(f"   {backend} {group} done in {time.monotonic() - t0:.1f}s", flush=True)
+                stolen = f", steal {100 * steal / (busy + steal):.1f}% of busy" if busy + steal else ""
+                print(f"   {backend} {group} done in {time.monotonic() - t0:.1f}s{stolen}", flush=True)
             runs[backend].append(merged)
 
     print()
