@@ -44,16 +44,16 @@ class Lifecycle:
         self.outgoing_calls = 0  #: calls and fetches sent from here still awaiting an answer
 
     def track_call(self, delta: int, src: int) -> None:
-        with self._active:
+        with self._lock:  # twice per call: the bare lock (Condition.__enter__ is Python code)
             self.active_calls += delta
             self.active_from[src] += delta
-            if self.active_calls == 0:
-                self._active.notify_all()
+            if self.active_calls == 0 and self._active._waiters:  # type: ignore[attr-defined]
+                self._active.notify_all()  # only shutdown's wait_idle waits here
 
     def track_outgoing(self, delta: int) -> None:
-        with self._lock:  # twice per call: the bare lock (Condition.__enter__ is Python code)
+        with self._lock:
             self.outgoing_calls += delta
-            if self.outgoing_calls == 0:
+            if self.outgoing_calls == 0 and self._active._waiters:  # type: ignore[attr-defined]
                 self._active.notify_all()
 
     def wait_idle(self, deadline: float) -> bool:

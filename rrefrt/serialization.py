@@ -133,6 +133,12 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+#: exact types that pickle to the same bytes with or without ``_Pickler`` (no reducer_override
+#: is called for them, no buffer leaves out of band, no RRef or tensor inside): ``dumps`` pickles
+#: them with ``pickle.dumps`` (about 5 us less per call answered with one)
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def dumps(
     obj: Any, fork: Callable[[Any], Any] | None = None, device_map: dict[str, str] | None = None,
     *, route: buffers.Route | None = None,
@@ -144,6 +150,8 @@ def dumps(
     ``Route(peer, device_map)``. A tensor on a device the map does not name raises
     DeviceMapError here, at the call site. On failure the forks already made are attached
     to the raised error as ``.forks``, for the caller to undo."""
+    if type(obj) in _ATOMS:  # a call's usual answer: the same bytes as below, no Pickler set up
+        return [pickle.dumps(obj, 5)], []
     if route is None:
         route = buffers.Route("the destination", device_map or {}) if device_map else buffers.LOCAL_ROUTE
     out: list[pickle.PickleBuffer] = []

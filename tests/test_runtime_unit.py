@@ -691,3 +691,31 @@ def test_values_with_no_destructor_are_freed_without_a_pool_task(group: Group, m
         rrefrt.rpc_sync("w1", owned_here)
     poll_for(lambda: len(w1.ctx.owners) == base, 5)
     poll_for(lambda: "clear" in tasks, 5, lambda: f"pool tasks: {tasks}")
+
+
+def test_call_tracking_notifies_only_a_waiting_shutdown(monkeypatch: Any) -> None:
+    """The per-call counters (two updates per call on each side) wake the condition only
+    when shutdown's ``wait_idle`` waits on it; that wait still ends once the last call does."""
+    from types import SimpleNamespace
+
+    from rrefrt.lifecycle import Lifecycle
+
+    rt = SimpleNamespace(info=SimpleNamespace(id=0), transport=SimpleNamespace(is_alive=lambda src: True))
+    life = Lifecycle(rt)
+    notified: list[int] = []
+    real = life._active.notify_all
+    monkeypatch.setattr(life._active, "notify_all", lambda: (notified.append(1), real()))
+    for _ in range(3):
+        life.track_call(+1, 1)
+        life.track_outgoing(+1)
+        life.track_outgoing(-1)
+        life.track_call(-1, 1)
+    assert notified == []  # nobody waited
+    life.track_call(+1, 1)
+    done: list[bool] = []
+    waiter = threading.Thread(target=lambda: done.append(life.wait_idle(time.monotonic() + 10)))
+    waiter.start()
+    poll_for(lambda: life._active._waiters, 5, "wait_idle waiting")  # type: ignore[attr-defined]
+    life.track_call(-1, 1)
+    waiter.join(5)
+    assert done == [True] and notified == [1]

@@ -361,3 +361,37 @@ def test_pickle_stream_is_bytes_so_the_transport_sends_it_without_a_snapshot_cop
     frames, _ = ser.dumps((b"x" * (1 << 20), torch.ones(4)))
     assert type(frames[0]) is bytes and len(frames[0]) > 1 << 20
     assert ser.loads(frames, [])[0] == b"x" * (1 << 20)
+
+
+# ---------------------------------------------------------------------------- atoms
+@pytest.mark.parametrize("value", [None, True, False, 0, -7, 2**70, 1.5, float("inf"), 2j, "", "héllo", b"\x00" * 100,
+                                   "x" * 200_000])
+def test_atoms_skip_the_pickler_and_give_the_same_bytes(value, monkeypatch):
+    """A call's usual answer (None, a number, a string) is pickled without setting up
+    ``_Pickler`` (its stream, buffer callback and route): the same bytes, no forks."""
+    import io
+
+    def refuse(*a, **k):
+        raise AssertionError("the Pickler was set up for an atom")
+
+    with monkeypatch.context() as m:
+        m.setattr(ser, "_Pickler", refuse)
+        frames, forks = ser.dumps(value)
+    assert forks == [] and len(frames) == 1 and type(frames[0]) is bytes
+    f = io.BytesIO()
+    ser._Pickler(f, [], None, buffers.LOCAL_ROUTE).dump(value)
+    assert frames[0] == f.getvalue()
+    assert ser.loads(frames, []) == value
+
+
+class _Tag(int):
+    pass
+
+
+def test_subclasses_of_atoms_still_go_through_the_pickler(monkeypatch):
+    Tag = _Tag
+    seen = []
+    real = ser._Pickler
+    monkeypatch.setattr(ser, "_Pickler", lambda *a, **k: seen.append(1) or real(*a, **k))
+    frames, _ = ser.dumps(Tag(3))
+    assert seen == [1] and pickle.loads(frames[0]) == 3
