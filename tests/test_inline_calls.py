@@ -76,6 +76,18 @@ def test_inline_calls_and_takeover(monkeypatch: pytest.MonkeyPatch) -> None:
         assert rrefrt.rpc_sync("w1", fns.thread_name, timeout=SERVED_WITHIN)
         spinning.wait(SERVED_WITHIN)
 
+        # 5. a burst (calls that arrive together) goes to the pool, one wake-up for all
+        # (NOTE [Inline calls] (7)); every call of it is answered
+        before = rrefrt.rpc_sync("w1", fns.transport_stats).get("inline_bursts", 0)
+        for _ in range(5):
+            futs = [rrefrt.rpc_async("w1", fns.thread_name) for _ in range(200)]
+            names = [f.wait(SERVED_WITHIN) for f in futs]
+            if rrefrt.rpc_sync("w1", fns.transport_stats).get("inline_bursts", 0) > before:
+                break
+        else:
+            pytest.fail("200 calls in flight never arrived two or more in one read")
+        assert any(not n.startswith("rrefrt-unix-w1") for n in names), "a burst ran on the reading thread"
+
         rrefrt.shutdown()
         assert workers.wait_all(30)[0][0] == 0
     finally:

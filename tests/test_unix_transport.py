@@ -254,8 +254,9 @@ def test_auto_uses_the_unix_path_on_one_host_unless_turned_off(same_host: str, m
         assert g.t.uses_same_host_path(1) is (same_host == "1")
         assert (g.t.stats["shm_frames_sent"] == 1) is (same_host == "1")
         errors: queue.Queue = queue.Queue()
+        sent = g.t.stats.get("messages_sent", 0)
         g.t.request(1, IGNORE, None, [], 60.0, lambda m, f, e: errors.put(e))
-        time.sleep(0.1)
+        poll_for(lambda: g.t.stats.get("messages_sent", 0) > sent, 5, "the request left")  # pending, on the wire
         t0 = time.monotonic()
         g.children[0].kill()
         assert isinstance(errors.get(timeout=10), PeerUnavailable)

@@ -38,6 +38,13 @@ stall behind it):
    (rpc_sync p50 0.92x over 26 paired rounds, 0.54-1.41) was within the noise
    (docs/performance.md, "Inline calls on the callee"): turn it on by default once a
    quiet machine shows the gain.
+7. A burst goes to the pool. A loop iteration that queued ``BURST`` (4) tasks or more
+   (calls that arrived together: ``rpc_async`` in flight by the hundred; a call and the
+   next one a program sends stay inline) hands them all to their
+   ``fallback`` (the pool, whose one running thread takes them one after another: NOTE
+   [One runner under load] in rrefrt/pool.py): one wake-up for the burst, and the reading
+   thread goes back to reading instead of running the burst ahead of it. Counted as
+   ``inline_bursts``.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ log = logging.getLogger("rrefrt.transport")
 
 #: NOTE [Inline calls] (2): a task running this long loses the loop to the standby
 TAKEOVER_AFTER = 0.002
+#: NOTE [Inline calls] (7): this many tasks queued in one loop iteration go to the pool
+BURST = 4
 _IDLE_CHECK = 1.0  #: a sleeping standby re-checks whether the transport closed this often
 _ASLEEP, _WATCHING = 0, 1
 
@@ -73,7 +82,7 @@ class Leadership:
         self.enabled = enabled
         self.leader = 0  #: ident of the thread that runs the loop now
         self.queue: collections.deque = collections.deque()  #: (task, fallback) to run inline
-        self.stats = stats  #: the transport's: inline_calls, inline_takeovers (handoffs among them), inline_fallbacks
+        self.stats = stats  #: the transport's: inline_calls, inline_takeovers (handoffs among them), inline_fallbacks, inline_bursts
         self._serve = serve
         self._cv = threading.Condition(threading.Lock())
         self._standby = False  #: a standby thread exists (waiting, or watching)
@@ -134,6 +143,14 @@ class Leadership:
         passed to the standby while a task ran; this thread must leave the loop."""
         me = threading.get_ident()
         q, cv = self.queue, self._cv
+        if len(q) >= BURST:  # NOTE [Inline calls] (7): a burst goes to the pool, one wake-up for all
+            while q:
+                task, fallback = q.popleft()
+                del task
+                self.stats["inline_bursts"] += 1
+                self._guard(fallback)
+                del fallback
+            return True
         while q:
             task, fallback = q.popleft()
             if not self._standby or self._closing:
