@@ -66,6 +66,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -247,6 +248,68 @@ IDLE_WAIT = 0.5
 #: control thread to send the deletes that drops decided (sending 1000 takes about 0.5 ms)
 COLLECT_WAIT = 0.005
 
+#: NOTE [Drops before a collection]: the control loops of this process that are running;
+#: one module-level hook serves them all (one shared deadline per collection, and
+#: ``gc.callbacks`` is never edited while a collection walks it)
+_LOOPS: "weakref.WeakSet[ControlLoop]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_installed = False
+#: a collection (any generation, any thread) is between its "start" and "stop" callbacks:
+#: a ``gc.collect()`` on another thread then returns 0 at once and collects nothing
+_collecting = False
+
+
+def _gc_hook(phase: str, info: dict[str, Any]) -> None:
+    """NOTE [Drops before a collection]: a full garbage collection holds the GIL for its
+    whole length (about 100 ms in a process that imported torch), so the control thread
+    that a burst of drops woke - ``del rrefs`` just before ``gc.collect()``, the benchmark's
+    drain and a common program pattern - could send their deletes only once it is over,
+    and the owner started on them then. Before a generation-2 collection starts, with
+    deletes decided and not yet sent, this thread hands the GIL to the control thread,
+    which sends them (a ``Sync``: it flushes the drops), and waits for that at most
+    ``COLLECT_WAIT`` in all: the owner applies them while this process collects. A flush
+    already under way on another thread (the control thread woken by the drops, or a
+    caller's) is waited for the same way: it could not finish during the collection
+    either. Bounded and deadlock-free: nothing is sent from here, and a collection that
+    starts on the control thread, inside a flush of this very thread, or while the
+    context's lock is held (maybe by this thread, which the flush would then wait for)
+    does not wait at all; one that starts while this thread holds a lock the send needs
+    (a transport lock) waits ``COLLECT_WAIT`` and goes on, and the deletes leave after
+    it as before.
+    Only one collection runs at a time (CPython's own flag), so only one thread is ever
+    here. While it waits, a ``gc.collect()`` on another thread is a no-op: ``collect_fully``
+    is the one that needs its collection (the strict leak report)."""
+    global _collecting
+    if phase != "start":
+        _collecting = False
+        return
+    _collecting = True
+    if info.get("generation") != 2 or not _LOOPS:
+        return
+    events = [ev for loop in list(_LOOPS) if (ev := loop._flush_before_collection()) is not None]
+    deadline = time.monotonic() + COLLECT_WAIT
+    for ev in events:
+        ev.wait(max(0.0, deadline - time.monotonic()))
+
+
+def collect_fully(deadline: float) -> None:
+    """``gc.collect()`` that has collected when it returns: a collection of another thread
+    in progress (maybe waiting in ``_gc_hook``, or running finalizers that release the GIL)
+    makes ``gc.collect()`` return at once; wait for it (bounded) and collect again."""
+    gc.collect()
+    while _collecting and time.monotonic() < deadline:
+        time.sleep(0.001)  # another thread's collection: it ends on its own
+        if not _collecting:
+            gc.collect()
+
+
+def _install_hook() -> None:
+    global _hook_installed
+    with _hook_lock:
+        if not _hook_installed:
+            gc.callbacks.append(_gc_hook)
+            _hook_installed = True
+
 
 #: NOTE [Release home]: values whose release runs no user code (exact types, not subclasses)
 _NO_DESTRUCTOR = frozenset({type(None), bool, int, float, complex, str, bytes})
@@ -263,6 +326,8 @@ class ControlLoop:
         #: fork ids of RRef objects that went away, not yet applied (NOTE [Drops])
         self.drops: _Drops = _Drops()
         self._flush_lock = threading.Lock()  #: one flusher at a time (NOTE [Drops])
+        #: the thread that holds ``_flush_lock`` (0: none; NOTE [Drops before a collection])
+        self._flusher = 0
         #: a FlushDrops is in the queue and has not started (NOTE [Drops]: one wake-up for
         #: many drops)
         self._flush_queued = False
@@ -288,33 +353,26 @@ class ControlLoop:
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
         self._thread.start()
-        gc.callbacks.append(self._gc_hook)
+        _LOOPS.add(self)
+        _install_hook()
 
-    def _gc_hook(self, phase: str, info: dict[str, Any]) -> None:
-        """NOTE [Drops before a collection]: a full garbage collection holds the GIL for its
-        whole length (about 100 ms in a process that imported torch), so the control thread
-        that a burst of drops woke - ``del rrefs`` just before ``gc.collect()``, the benchmark's
-        drain and a common program pattern - could send their deletes only once it is over,
-        and the owner started on them then. Before a generation-2 collection starts, with
-        deletes decided and not yet sent, this thread hands the GIL to the control thread,
-        which sends them (a ``Sync``: it flushes the drops), and waits for that at most
-        ``COLLECT_WAIT``: the owner applies them while this process collects. Bounded and
-        deadlock-free: nothing is sent from here, and a collection that starts on the
-        control thread, while another thread flushes, or while the context's lock is held
-        (maybe by this very thread, which the flush would then wait for) does not wait at
-        all; one that starts while this thread holds a lock the send needs (a transport
-        lock) waits ``COLLECT_WAIT`` and goes on, and the deletes leave after it as
-        before."""
-        if phase != "start" or info.get("generation") != 2 or self._stop or os.getpid() != self._pid:
-            return  # a forked child inherits the hook, not the thread (NOTE [Fork safety])
-        if not (self.rt.ctx.unsent_count or len(self.drops)):
-            return
-        if (self._flush_lock.locked() or not self.rt.ctx.lock_free() or self.on_control_thread()
+    collect_fully = staticmethod(collect_fully)
+
+    def _flush_before_collection(self) -> threading.Event | None:
+        """``_gc_hook``, before a full collection (NOTE [Drops before a collection]): ask the
+        control thread to send the deletes decided so far; the event it sets once they are
+        sent, or None when there is nothing to send or no waiting is safe."""
+        if self._stop or self.rt.closed or os.getpid() != self._pid:
+            return None  # a forked child inherits the loops, not their threads (NOTE [Fork safety])
+        if not (self.rt.ctx.unsent_count or self.drops):  # ``drops``: true too while a flush sends
+            return None
+        me = threading.get_ident()
+        if (self._flusher == me or not self.rt.ctx.lock_free() or self.on_control_thread()
                 or not self._thread.is_alive()):
-            return
+            return None  # the flush would wait for this very thread (or there is none)
         ev = threading.Event()
         self.queue.put(Sync(ev))
-        ev.wait(COLLECT_WAIT)
+        return ev
 
     def put(self, item: ControlItem) -> None:
         self.queue.put(item)
@@ -381,6 +439,7 @@ class ControlLoop:
             log.warning("worker %r: another thread has been sending the deletes of dropped RRefs for over "
                         "%.0f s; not waiting for it any longer", self.rt.info.name, FLUSH_WAIT)
             return kept
+        self._flusher = threading.get_ident()
         try:
             drops.flushing = True
             while len(drops):
@@ -407,6 +466,7 @@ class ControlLoop:
                 self._perform(actions)
         finally:
             drops.flushing = False
+            self._flusher = 0
             self._flush_lock.release()
         return kept
 
@@ -469,10 +529,7 @@ class ControlLoop:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop = True
-        try:
-            gc.callbacks.remove(self._gc_hook)
-        except ValueError:  # never started, or stopped before
-            pass
+        _LOOPS.discard(self)
         self.queue.put(Sync(threading.Event()))
         if self._thread.ident is not None and not self.on_control_thread():
             self._thread.join(timeout)

@@ -13,7 +13,6 @@ run on a daemon thread of their own, which the caller waits for (bounded).
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import threading
 import time
@@ -78,7 +77,7 @@ class Lifecycle:
             # only the leak report needs unreachable RRef objects collected (until then they
             # count as live); every user fork is deleted below, referenced or not, so a
             # non-strict shutdown skips the full collection (~95 ms per rank with torch loaded)
-            gc.collect()
+            rt.control.collect_fully(deadline)  # NOTE [Drops before a collection] in rrefrt/control.py
             rt.control.sync(deadline)
         rt.control.flush_drops()  # NOTE [Drops] in rrefrt/control.py
         sites = rt.ctx.live_user_sites() if strict else []

@@ -42,7 +42,6 @@ NOTE [Who hosts the store]
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import socket
@@ -421,7 +420,7 @@ def shutdown_dynamic(rt: Any, group: Membership, graceful: bool, limit: float) -
         try:
             if graceful:
                 busy = not rt.wait_idle(deadline)
-                gc.collect()
+                rt.control.collect_fully(deadline)
                 rt.control.sync(deadline)
                 rt.control.perform(rt.ctx.delete_all_users())
                 rt.ctx.wait_users_settled(deadline)

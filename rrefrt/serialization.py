@@ -133,9 +133,10 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-#: exact types that pickle to the same bytes with or without ``_Pickler`` (no reducer_override
-#: is called for them, no buffer leaves out of band, no RRef or tensor inside): ``dumps`` pickles
-#: them with ``pickle.dumps`` (0.65 us instead of 3.6 us per call answered with one)
+#: exact types that pickle to the same bytes with or without ``_Pickler`` (its
+#: reducer_override is not called for them, or returns NotImplemented for a complex; no
+#: buffer leaves out of band, no RRef or tensor inside): ``dumps`` pickles them with
+#: ``pickle.dumps`` (0.65 us instead of 3.6 us per call answered with one)
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
@@ -151,7 +152,10 @@ def dumps(
     DeviceMapError here, at the call site. On failure the forks already made are attached
     to the raised error as ``.forks``, for the caller to undo."""
     if type(obj) in _ATOMS:  # a call's usual answer: the same bytes as below, no Pickler set up
-        return [pickle.dumps(obj, 5)], []
+        try:
+            return [pickle.dumps(obj, 5)], []
+        except Exception:  # (a MemoryError, say) the path below names it as a SerializationError
+            pass
     if route is None:
         route = buffers.Route("the destination", device_map or {}) if device_map else buffers.LOCAL_ROUTE
     out: list[pickle.PickleBuffer] = []

@@ -560,8 +560,9 @@ def test_a_full_collection_waits_for_the_flush_only_when_deletes_wait(group: Gro
 
     monkeypatch.setattr(control, "DROP_DELAY", 60.0)  # only the collection flushes, not a tick
     monkeypatch.setattr(control, "FIRST_BATCH", 10_000)  # nor the drops' own wake-up
+    monkeypatch.setattr(control, "COLLECT_WAIT", 5.0)  # a busy machine may be slow to run the flush
     w0, w1 = group.rts[0], group.rts[1]
-    assert w0.control._gc_hook in gc.callbacks
+    assert control._gc_hook in gc.callbacks and w0.control in control._LOOPS
     syncs: list[int] = []
     on_sync = w0.control._handlers[control.Sync]
     monkeypatch.setitem(w0.control._handlers, control.Sync, lambda item: (syncs.append(1), on_sync(item)))
@@ -581,17 +582,34 @@ def test_a_full_collection_waits_for_the_flush_only_when_deletes_wait(group: Gro
         assert w0.ctx.unsent_count == 0  # sent before the collection
         poll_for(lambda: w1.ctx.counts()["num_owner_rrefs"] == base, 5, lambda: w1.ctx.counts())
     w0.control.stop(5.0)
-    assert w0.control._gc_hook not in gc.callbacks
+    assert w0.control not in control._LOOPS and gc.callbacks.count(control._gc_hook) == 1
+
+
+def test_collect_fully_collects_again_after_another_threads_collection(monkeypatch: Any) -> None:
+    """While a collection of another thread is in progress (its "start" callbacks ran - our
+    hook may wait there - and its "stop" ones have not), ``gc.collect()`` returns at once
+    having collected nothing; ``collect_fully`` (the strict leak report's) waits for that
+    collection to end and collects again."""
+    import rrefrt.control as control
+
+    calls: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or 0)
+    control.collect_fully(time.monotonic() + 5)
+    assert calls == [1]
+    monkeypatch.setattr(control, "_collecting", True)
+    ender = threading.Timer(0.05, lambda: setattr(control, "_collecting", False))
+    ender.start()
+    control.collect_fully(time.monotonic() + 5)
+    ender.join(5)
+    assert calls == [1, 1, 1]
 
 
 def test_release_rrefs_collects_garbage_only_for_strict_leak_checks(group: Group, monkeypatch: Any) -> None:
     """Shutdown deletes every user fork, referenced or not: a full gc.collect() (~95 ms per
     rank with torch loaded) is needed only to tell live RRefs from garbage in strict mode."""
-    import rrefrt.lifecycle as lifecycle
-
     w0 = group.rts[0]
     collected: list[int] = []
-    monkeypatch.setattr(lifecycle.gc, "collect", lambda *a: collected.append(1) or 0)
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
     with group.as_worker(0):
         rref = rrefrt.remote("w1", add, args=(1, 1))
         poll_for(rref.confirmed_by_owner, 5)
