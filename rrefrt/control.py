@@ -60,23 +60,23 @@ all (``callee.serve_fetch_inline``).
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import os
 import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import transport
 
+from . import collection
 from .errors import RpcError
 from .ids import ForkId
 from .pool import current_pool
 from .rref_drops import DONE, KEPT
 from .messages import (
+    DELETES_PER_MESSAGE,
     Action,
     ChildAccept,
     ChildAccepts,
@@ -89,6 +89,9 @@ from .messages import (
     ServeFetch,
     UserDelete,
     UserDeletes,
+    batch_actions,
+    batch_kind,
+    child_accepts,
 )
 
 log = logging.getLogger("rrefrt")
@@ -176,46 +179,6 @@ ControlItem = Incoming | Perform | Dropped | FlushDrops | Acked | Retry | Creati
 
 _FLUSH = FlushDrops()
 
-#: NOTE [Drops]: the most deletes one RREF_USER_DELETES (or one call) carries
-DELETES_PER_MESSAGE = 2048
-
-
-def _child_accepts(dest: int, c: list[ChildAccept]) -> ChildAccepts:
-    return ChildAccepts(dest, tuple(x.fork_id for x in c))
-
-
-def _batch_deletes(actions: list[Action]) -> list[Action]:
-    """The UserDelete actions to one owner become one UserDeletes, and the ChildAccept
-    actions to one parent one ChildAccepts (NOTE [Lazy registration] in docs/protocol.md),
-    at the place of the first (the list is returned as it is unless some owner or parent
-    gets several)."""
-    actions = _batch(actions, ChildAccept, _child_accepts)
-    return _batch(actions, UserDelete, lambda dest, c: UserDeletes(dest, tuple((x.rref_id, x.fork_id) for x in c)))
-
-
-def _batch(actions: list[Action], kind: type, many: Callable[[int, list[Any]], Action]) -> list[Action]:
-    """The ``kind`` actions to one worker become ``many(dest, chunk)`` (at most
-    ``DELETES_PER_MESSAGE`` each) at the place of the first; a lone one stays as it is."""
-    if sum(type(a) is kind for a in actions) < 2:
-        return actions
-    by_dest: dict[int, list[Any]] = {}
-    for a in actions:
-        if type(a) is kind:
-            by_dest.setdefault(a.dest, []).append(a)
-    out: list[Action] = []
-    for a in actions:
-        if type(a) is not kind:
-            out.append(a)
-            continue
-        same = by_dest.pop(a.dest, None)
-        if same is None:
-            continue  # batched with the first one to its worker
-        for i in range(0, len(same), DELETES_PER_MESSAGE):
-            chunk = same[i : i + DELETES_PER_MESSAGE]
-            out.append(chunk[0] if len(chunk) == 1 else many(a.dest, chunk))
-    actions.clear()
-    return out
-
 
 #: NOTE [Drops]: in ``drops``, "a drop applied in its ``__del__`` whose actions wait in the
 #: context" (``RRefContext.try_user_dropped``)
@@ -244,71 +207,6 @@ DROP_DELAY = 0.02
 FIRST_BATCH = 32
 #: the control thread's wait when it has nothing to do (it re-checks ``_stop``)
 IDLE_WAIT = 0.5
-#: NOTE [Drops before a collection]: the longest a full garbage collection waits for the
-#: control thread to send the deletes that drops decided (sending 1000 takes about 0.5 ms)
-COLLECT_WAIT = 0.005
-
-#: NOTE [Drops before a collection]: the control loops of this process that are running;
-#: one module-level hook serves them all (one shared deadline per collection, and
-#: ``gc.callbacks`` is never edited while a collection walks it)
-_LOOPS: "weakref.WeakSet[ControlLoop]" = weakref.WeakSet()
-_hook_lock = threading.Lock()
-_hook_installed = False
-#: a collection (any generation, any thread) is between its "start" and "stop" callbacks:
-#: a ``gc.collect()`` on another thread then returns 0 at once and collects nothing
-_collecting = False
-
-
-def _gc_hook(phase: str, info: dict[str, Any]) -> None:
-    """NOTE [Drops before a collection]: a full garbage collection holds the GIL for its
-    whole length (about 100 ms in a process that imported torch), so the control thread
-    that a burst of drops woke - ``del rrefs`` just before ``gc.collect()``, the benchmark's
-    drain and a common program pattern - could send their deletes only once it is over,
-    and the owner started on them then. Before a generation-2 collection starts, with
-    deletes decided and not yet sent, this thread hands the GIL to the control thread,
-    which sends them (a ``Sync``: it flushes the drops), and waits for that at most
-    ``COLLECT_WAIT`` in all: the owner applies them while this process collects. A flush
-    already under way on another thread (the control thread woken by the drops, or a
-    caller's) is waited for the same way: it could not finish during the collection
-    either. Bounded and deadlock-free: nothing is sent from here, and a collection that
-    starts on the control thread, inside a flush of this very thread, or while the
-    context's lock is held (maybe by this thread, which the flush would then wait for)
-    does not wait at all; one that starts while this thread holds a lock the send needs
-    (a transport lock) waits ``COLLECT_WAIT`` and goes on, and the deletes leave after
-    it as before.
-    Only one collection runs at a time (CPython's own flag), so only one thread is ever
-    here. While it waits, a ``gc.collect()`` on another thread is a no-op: ``collect_fully``
-    is the one that needs its collection (the strict leak report)."""
-    global _collecting
-    if phase != "start":
-        _collecting = False
-        return
-    _collecting = True
-    if info.get("generation") != 2 or not _LOOPS:
-        return
-    events = [ev for loop in list(_LOOPS) if (ev := loop._flush_before_collection()) is not None]
-    deadline = time.monotonic() + COLLECT_WAIT
-    for ev in events:
-        ev.wait(max(0.0, deadline - time.monotonic()))
-
-
-def collect_fully(deadline: float) -> None:
-    """``gc.collect()`` that has collected when it returns: a collection of another thread
-    in progress (maybe waiting in ``_gc_hook``, or running finalizers that release the GIL)
-    makes ``gc.collect()`` return at once; wait for it (bounded) and collect again."""
-    gc.collect()
-    while _collecting and time.monotonic() < deadline:
-        time.sleep(0.001)  # another thread's collection: it ends on its own
-        if not _collecting:
-            gc.collect()
-
-
-def _install_hook() -> None:
-    global _hook_installed
-    with _hook_lock:
-        if not _hook_installed:
-            gc.callbacks.append(_gc_hook)
-            _hook_installed = True
 
 
 #: NOTE [Release home]: values whose release runs no user code (exact types, not subclasses)
@@ -353,13 +251,11 @@ class ControlLoop:
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
         self._thread.start()
-        _LOOPS.add(self)
-        _install_hook()
+        collection.register(self)  # NOTE [Drops before a collection] in rrefrt/collection.py
 
-    collect_fully = staticmethod(collect_fully)
-
-    def _flush_before_collection(self) -> threading.Event | None:
-        """``_gc_hook``, before a full collection (NOTE [Drops before a collection]): ask the
+    def flush_before_collection(self) -> threading.Event | None:
+        """The gc hook, before a full collection (NOTE [Drops before a collection] in
+        rrefrt/collection.py): ask the
         control thread to send the deletes decided so far; the event it sets once they are
         sent, or None when there is nothing to send or no waiting is safe."""
         if self._stop or self.rt.closed or os.getpid() != self._pid:
@@ -453,7 +349,7 @@ class ControlLoop:
                     pass
                 deletes, actions = ctx.take_dropped(fids)
                 if len(actions) > 1:
-                    actions = _batch(actions, ChildAccept, _child_accepts)
+                    actions = batch_kind(actions, ChildAccept, child_accepts)
                 for dest, pairs in deletes.items():
                     for i in range(0, len(pairs), DELETES_PER_MESSAGE):
                         chunk = tuple(pairs[i : i + DELETES_PER_MESSAGE])
@@ -517,7 +413,7 @@ class ControlLoop:
         """Perform ``actions`` now, on this thread (NOTE [Inline protocol]); the caller holds
         no lock."""
         if actions:
-            self._perform(_batch_deletes(actions))
+            self._perform(batch_actions(actions))
 
     def sync(self, deadline: float) -> bool:
         """Wait (bounded) until everything enqueued so far is handled."""
@@ -529,7 +425,7 @@ class ControlLoop:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop = True
-        _LOOPS.discard(self)
+        collection.unregister(self)
         self.queue.put(Sync(threading.Event()))
         if self._thread.ident is not None and not self.on_control_thread():
             self._thread.join(timeout)

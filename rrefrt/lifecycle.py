@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .collection import collect_fully
 from .errors import RpcError, RRefLeakError, ShutdownError
 
 log = logging.getLogger("rrefrt")
@@ -77,7 +78,7 @@ class Lifecycle:
             # only the leak report needs unreachable RRef objects collected (until then they
             # count as live); every user fork is deleted below, referenced or not, so a
             # non-strict shutdown skips the full collection (~95 ms per rank with torch loaded)
-            rt.control.collect_fully(deadline)  # NOTE [Drops before a collection] in rrefrt/control.py
+            collect_fully(deadline)  # NOTE [Drops before a collection] in rrefrt/collection.py
             rt.control.sync(deadline)
         rt.control.flush_drops()  # NOTE [Drops] in rrefrt/control.py
         sites = rt.ctx.live_user_sites() if strict else []

@@ -53,6 +53,7 @@ import msgpack
 
 import transport
 
+from .collection import collect_fully
 from .devices import DeviceInfo, DevicePlan
 from .errors import AuthenticationError, RpcError, ShutdownError
 from .options import WorkerInfo
@@ -420,7 +421,7 @@ def shutdown_dynamic(rt: Any, group: Membership, graceful: bool, limit: float) -
         try:
             if graceful:
                 busy = not rt.wait_idle(deadline)
-                rt.control.collect_fully(deadline)
+                collect_fully(deadline)  # NOTE [Drops before a collection]
                 rt.control.sync(deadline)
                 rt.control.perform(rt.ctx.delete_all_users())
                 rt.ctx.wait_users_settled(deadline)

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from .ids import ForkId, RRefId
 
@@ -448,6 +448,48 @@ class Releases:
 
 
 Action = ForkRequest | ChildAccept | UserDelete | ServeFetch | Release | Releases
+
+
+#: NOTE [Drops] in rrefrt/control.py: the most deletes one RREF_USER_DELETES (or one call) carries
+DELETES_PER_MESSAGE = 2048
+
+
+def child_accepts(dest: int, c: list[ChildAccept]) -> ChildAccepts:
+    return ChildAccepts(dest, tuple(x.fork_id for x in c))
+
+
+def batch_actions(actions: list[Action]) -> list[Action]:
+    """How the actions of the RRef context travel: the UserDelete actions to one owner become one UserDeletes, and the ChildAccept
+    actions to one parent one ChildAccepts (NOTE [Lazy registration] in docs/protocol.md),
+    at the place of the first (the list is returned as it is unless some owner or parent
+    gets several)."""
+    actions = batch_kind(actions, ChildAccept, child_accepts)
+    return batch_kind(actions, UserDelete, lambda dest, c: UserDeletes(dest, tuple((x.rref_id, x.fork_id) for x in c)))
+
+
+def batch_kind(actions: list[Action], kind: type, many: Callable[[int, list[Any]], Action]) -> list[Action]:
+    """The ``kind`` actions to one worker become ``many(dest, chunk)`` (at most
+    ``DELETES_PER_MESSAGE`` each) at the place of the first; a lone one stays as it is."""
+    if sum(type(a) is kind for a in actions) < 2:
+        return actions
+    by_dest: dict[int, list[Any]] = {}
+    for a in actions:
+        if type(a) is kind:
+            by_dest.setdefault(a.dest, []).append(a)
+    out: list[Action] = []
+    for a in actions:
+        if type(a) is not kind:
+            out.append(a)
+            continue
+        same = by_dest.pop(a.dest, None)
+        if same is None:
+            continue  # batched with the first one to its worker
+        for i in range(0, len(same), DELETES_PER_MESSAGE):
+            chunk = same[i : i + DELETES_PER_MESSAGE]
+            out.append(chunk[0] if len(chunk) == 1 else many(a.dest, chunk))
+    actions.clear()
+    return out
+
 
 # wire kind constants, kept for the transport tests and the fault labels' readers
 PYTHON_CALL = PythonCall.KIND

@@ -206,13 +206,13 @@ def test_protocol_runs_while_the_user_pool_is_saturated(cluster):
 
 
 def test_deletes_of_dropped_rrefs_leave_before_a_full_collection(cluster, monkeypatch):
-    """NOTE [Drops before a collection] (rrefrt/control.py): ``del rrefs; gc.collect()`` -
+    """NOTE [Drops before a collection] (rrefrt/collection.py): ``del rrefs; gc.collect()`` -
     the collection holds this process's GIL throughout, and the control thread that the
     drops woke could send their deletes only after it. They now leave as it starts: the
     owner has applied them while this process is still collecting."""
-    import rrefrt.control as control
+    import rrefrt.collection as collection
 
-    monkeypatch.setattr(control, "COLLECT_WAIT", 5.0)  # a busy machine may be slow to run the flush
+    monkeypatch.setattr(collection, "COLLECT_WAIT", 5.0)  # a busy machine may be slow to run the flush
     base = counts("w1")["num_owner_rrefs"]
     rrefs = [rrefrt.remote("w1", fns.identity, args=(i,)) for i in range(200)]
     for r in rrefs:

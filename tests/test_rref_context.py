@@ -1075,7 +1075,7 @@ def test_lazy_registration_of_a_fork_received_in_a_call() -> None:
 def test_child_accepts_to_one_parent_are_batched() -> None:
     """NOTE [Lazy registration]: the accepts of drops flushed together leave as one
     RREF_CHILD_ACCEPTS per parent (a lone one stays a RREF_CHILD_ACCEPT), in place."""
-    from rrefrt.control import _batch_deletes
+    from rrefrt.messages import batch_actions as _batch_deletes
     from rrefrt.messages import ChildAccepts
 
     f = [ForkId(0, i) for i in range(4)]

@@ -555,14 +555,15 @@ def test_a_full_collection_waits_for_the_flush_only_when_deletes_wait(group: Gro
     """NOTE [Drops before a collection]: a generation-2 collection that starts with deletes
     decided and unsent hands them to the control thread first; with nothing to send, or
     with the context's lock held (the flush would wait for it), it does not wait; a stopped
-    control loop leaves no hook in ``gc.callbacks``."""
+    control loop leaves the hook's registry, and the hook is installed once."""
+    import rrefrt.collection as collection
     import rrefrt.control as control
 
     monkeypatch.setattr(control, "DROP_DELAY", 60.0)  # only the collection flushes, not a tick
     monkeypatch.setattr(control, "FIRST_BATCH", 10_000)  # nor the drops' own wake-up
-    monkeypatch.setattr(control, "COLLECT_WAIT", 5.0)  # a busy machine may be slow to run the flush
+    monkeypatch.setattr(collection, "COLLECT_WAIT", 5.0)  # a busy machine may be slow to run the flush
     w0, w1 = group.rts[0], group.rts[1]
-    assert control._gc_hook in gc.callbacks and w0.control in control._LOOPS
+    assert collection._gc_hook in gc.callbacks and w0.control in collection._LOOPS
     syncs: list[int] = []
     on_sync = w0.control._handlers[control.Sync]
     monkeypatch.setitem(w0.control._handlers, control.Sync, lambda item: (syncs.append(1), on_sync(item)))
@@ -582,7 +583,7 @@ def test_a_full_collection_waits_for_the_flush_only_when_deletes_wait(group: Gro
         assert w0.ctx.unsent_count == 0  # sent before the collection
         poll_for(lambda: w1.ctx.counts()["num_owner_rrefs"] == base, 5, lambda: w1.ctx.counts())
     w0.control.stop(5.0)
-    assert w0.control not in control._LOOPS and gc.callbacks.count(control._gc_hook) == 1
+    assert w0.control not in collection._LOOPS and gc.callbacks.count(collection._gc_hook) == 1
 
 
 def test_collect_fully_collects_again_after_another_threads_collection(monkeypatch: Any) -> None:
@@ -590,16 +591,16 @@ def test_collect_fully_collects_again_after_another_threads_collection(monkeypat
     hook may wait there - and its "stop" ones have not), ``gc.collect()`` returns at once
     having collected nothing; ``collect_fully`` (the strict leak report's) waits for that
     collection to end and collects again."""
-    import rrefrt.control as control
+    import rrefrt.collection as collection
 
     calls: list[int] = []
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append(1) or 0)
-    control.collect_fully(time.monotonic() + 5)
+    collection.collect_fully(time.monotonic() + 5)
     assert calls == [1]
-    monkeypatch.setattr(control, "_collecting", True)
-    ender = threading.Timer(0.05, lambda: setattr(control, "_collecting", False))
+    monkeypatch.setattr(collection, "_collecting", True)  # another thread's collection started
+    ender = threading.Timer(0.05, lambda: collection._gc_hook("stop", {"generation": 0}))  # ... and ends
     ender.start()
-    control.collect_fully(time.monotonic() + 5)
+    collection.collect_fully(time.monotonic() + 5)
     ender.join(5)
     assert calls == [1, 1, 1]
 
