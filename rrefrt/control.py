@@ -255,9 +255,9 @@ class ControlLoop:
 
     def flush_before_collection(self) -> threading.Event | None:
         """The gc hook, before a full collection (NOTE [Drops before a collection] in
-        rrefrt/collection.py): ask the
-        control thread to send the deletes decided so far; the event it sets once they are
-        sent, or None when there is nothing to send or no waiting is safe."""
+        rrefrt/collection.py): ask the control thread to send the deletes decided so far;
+        the event it sets once they are sent, or None when there is nothing to send or no
+        waiting is safe."""
         if self._stop or self.rt.closed or os.getpid() != self._pid:
             return None  # a forked child inherits the loops, not their threads (NOTE [Fork safety])
         if not (self.rt.ctx.unsent_count or self.drops):  # ``drops``: true too while a flush sends

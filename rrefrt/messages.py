@@ -459,10 +459,10 @@ def child_accepts(dest: int, c: list[ChildAccept]) -> ChildAccepts:
 
 
 def batch_actions(actions: list[Action]) -> list[Action]:
-    """How the actions of the RRef context travel: the UserDelete actions to one owner become one UserDeletes, and the ChildAccept
-    actions to one parent one ChildAccepts (NOTE [Lazy registration] in docs/protocol.md),
-    at the place of the first (the list is returned as it is unless some owner or parent
-    gets several)."""
+    """How the actions of the RRef context travel: the UserDelete actions to one owner
+    become one UserDeletes, and the ChildAccept actions to one parent one ChildAccepts
+    (NOTE [Lazy registration] in docs/protocol.md), at the place of the first (the list is
+    returned as it is unless some owner or parent gets several)."""
     actions = batch_kind(actions, ChildAccept, child_accepts)
     return batch_kind(actions, UserDelete, lambda dest, c: UserDeletes(dest, tuple((x.rref_id, x.fork_id) for x in c)))
 

@@ -41,7 +41,7 @@ class ContextDrops:
 
     def lock_free(self) -> bool:
         """No thread holds the context's lock right now (a hint: NOTE [Drops before a
-        collection] in control.py)."""
+        collection] in rrefrt/collection.py)."""
         return not self._lock.locked()
 
     def user_dropped(self, fork_id: ForkId) -> list[Action]:

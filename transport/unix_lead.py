@@ -143,19 +143,12 @@ class Leadership:
         passed to the standby while a task ran; this thread must leave the loop."""
         me = threading.get_ident()
         q, cv = self.queue, self._cv
-        if len(q) >= BURST:  # NOTE [Inline calls] (7): a burst goes to the pool, one wake-up for all
-            while q:
-                task, fallback = q.popleft()
-                del task
-                self.stats["inline_bursts"] += 1
-                self._guard(fallback)
-                del fallback
-            return True
+        burst = len(q) >= BURST  # NOTE [Inline calls] (7): a burst goes to the pool, one wake-up for all
         while q:
             task, fallback = q.popleft()
-            if not self._standby or self._closing:
+            if burst or not self._standby or self._closing:
                 del task
-                self.stats["inline_fallbacks"] += 1
+                self.stats["inline_bursts" if burst else "inline_fallbacks"] += 1
                 self._guard(fallback)
                 del fallback
                 continue
