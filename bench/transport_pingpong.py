@@ -50,12 +50,12 @@ def _cpu() -> float:
 def make(kind: str, wid: int, inc: int, on_message: Any, on_dead: Any) -> tuple[Any, Any]:
     """(transport, publish(address)) for ``kind``; role-independent."""
     if kind == "zmq":
-        from transport import Agent
+        from rrefrt_transport import Agent
 
         a = Agent(wid, f"w{wid}", inc, on_message, on_dead)
         return a, None
-    from transport.base import TransportConfig
-    from transport.unix import UnixTransport
+    from rrefrt_transport.base import TransportConfig
+    from rrefrt_transport.unix.transport import UnixTransport
 
     extra = {"unix": {}, "unix-copy": {"shm_copy_out": True}, "unix-inline": {"shm_threshold": 0},
              "unix-shm64k": {"shm_threshold": 65536}}[kind]
@@ -86,11 +86,11 @@ def role(args: argparse.Namespace) -> None:
     print(json.dumps({"addr": addr, "inc": inc}), flush=True)
     peer = json.loads(sys.stdin.readline())
     if args.kind == "zmq":
-        from transport import PeerSpec
+        from rrefrt_transport import PeerSpec
 
         t.connect_peers([PeerSpec(1 - wid, f"w{1 - wid}", peer["inc"], peer["addr"])], 20)
     else:
-        from transport.base import PeerAddress, PeerSpec as Spec
+        from rrefrt_transport.base import PeerAddress, PeerSpec as Spec
 
         t.connect_peers([Spec(1 - wid, f"w{1 - wid}", peer["inc"], PeerAddress.from_wire(peer["addr"]))], 20)
     if args.role == "server":

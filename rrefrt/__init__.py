@@ -7,7 +7,7 @@ NOTE [Lazy package]: importing ``rrefrt`` (and so any subpackage, the launcher
 ``rrefrt.run`` included) loads nothing but this file: the public names below are resolved
 on first use through the module ``__getattr__`` (PEP 562). So ``rrefrt-run`` and
 ``import rrefrt.run`` load neither zmq, msgpack, torch nor the runtime
-(tests/test_imports.py checks it), and torch is imported only when a tensor first crosses.
+(tests/cluster/test_imports.py checks it), and torch is imported only when a tensor first crosses.
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
-    from . import functions, futures
-    from .api import (
+    from rrefrt import functions, futures
+    from rrefrt.api import (
         get_debug_info, get_rpc_timeout, get_worker_info, get_worker_infos, init_rpc, remote, rpc_async, rpc_sync,
         shutdown,
     )
-    from .errors import (
+    from rrefrt.errors import (
         AuthenticationError,
         OwnerDiedError,
         RemoteError,
@@ -91,6 +91,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
         ShutdownError,
         WorkerUnavailableError,
     )
-    from .futures import Future
-    from .options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
-    from .rref import RRef
+    from rrefrt.futures import Future
+    from rrefrt.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
+    from rrefrt.rref import RRef

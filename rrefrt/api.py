@@ -14,19 +14,19 @@ import threading
 import time
 from typing import Any, Callable
 
-import transport
-
-from . import profiling as _profiling, serialization, state
-from .autograd import _hooks as _autograd
-from .devices import DeviceInfo, DevicePlan
-from .errors import ArgumentError, AuthenticationError, RpcError, ShutdownError
-from .futures import Future
-from .options import RpcBackendOptions, WorkerInfo
-from .membership import MAX_RANKS, Membership, shutdown_dynamic
-from .rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
-from .lifecycle import shutdown_graceful
-from .rref import RRef
-from .runtime import Runtime
+import rrefrt_transport as transport
+from rrefrt import profiling as _profiling, state
+from rrefrt.payload import serialization
+from rrefrt import hooks as _autograd
+from rrefrt.payload.devices import DeviceInfo, DevicePlan
+from rrefrt.errors import ArgumentError, AuthenticationError, RpcError, ShutdownError
+from rrefrt.futures import Future
+from rrefrt.options import RpcBackendOptions, WorkerInfo
+from rrefrt.group.membership import MAX_RANKS, Membership, shutdown_dynamic
+from rrefrt.group.rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
+from rrefrt.runtime.lifecycle import shutdown_graceful
+from rrefrt.rref import RRef
+from rrefrt.runtime.root import Runtime
 
 log = logging.getLogger("rrefrt")
 
@@ -89,7 +89,7 @@ def init_rpc(
         if state.current_or_none() is not None:
             raise RpcError("RPC is already initialized on this process; call rrefrt.shutdown() first")
         spec = resolve(options.init_method, rank, world_size)
-        dynamic = spec.world_size == DYNAMIC  # docs/dynamic-groups.md, rrefrt/membership.py
+        dynamic = spec.world_size == DYNAMIC  # docs/dynamic-groups.md, rrefrt/group/membership.py
         deadline = time.monotonic() + options.init_timeout
         incarnation = random.SystemRandom().getrandbits(63)
         secret = job_secret(options)
@@ -239,7 +239,7 @@ def get_debug_info() -> dict[str, Any]:
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the group. Graceful: finish in-flight calls, delete this worker's RRef users,
     wait for owners to drain, meet everyone at a barrier, check for leaks - all bounded by
-    ``timeout`` (0: the options' shutdown_timeout); the steps are rrefrt/lifecycle.py's. Raises ShutdownError naming workers
+    ``timeout`` (0: the options' shutdown_timeout); the steps are rrefrt/runtime/lifecycle.py's. Raises ShutdownError naming workers
     that never arrived, RRefLeakError for leaks in strict mode; the runtime is closed
     either way. In a dynamic group there is no barrier: the worker finishes its calls,
     deletes its RRef users and leaves; calls to it then fail with WorkerUnavailableError."""
@@ -255,7 +255,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         rdzv, world_size = rt.group
         error: BaseException | None = None
         try:
-            if world_size == DYNAMIC:  # leave a dynamic group: no barrier (rrefrt/membership.py)
+            if world_size == DYNAMIC:  # leave a dynamic group: no barrier (rrefrt/group/membership.py)
                 limit = timeout if timeout and timeout > 0 else rt.options.shutdown_timeout
                 error = shutdown_dynamic(rt, rdzv, graceful, limit)
             elif graceful:

@@ -2,7 +2,7 @@
 messages a worker sends, by label.
 
 Owns: ``FaultPlan`` and its installation on the current runtime (the transport's
-``fault_hook``, see NOTE [Fault injection] in transport/zmqsend.py). Imports from rrefrt:
+``fault_hook``, see NOTE [Fault injection] in transport/zmq/send.py). Imports from rrefrt:
 state. A plan is picklable, so a test installs it on any worker with
 ``rpc_sync(worker, rrefrt.faults.install, args=(plan,))``.
 
@@ -19,7 +19,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import state
+from rrefrt import state
 
 __all__ = ["Rule", "FaultPlan", "install", "clear", "stats"]
 

@@ -1,6 +1,6 @@
 """``@rrefrt.functions.async_execution`` and the callee side of it. Imports from rrefrt:
 errors, torchimport (leaves). Never imports torch (torch's futures are recognised once torch is
-imported: rrefrt/torchimport.py's ``loaded()``).
+imported: rrefrt/payload/torchimport.py's ``loaded()``).
 
 NOTE [async_execution]: a decorated function returns a Future (rrefrt's, the stdlib's or
 torch's); the callee replies when that Future completes, without holding a worker thread
@@ -17,8 +17,8 @@ import concurrent.futures
 import functools
 from typing import Any, Callable, TypeVar
 
-from . import torchimport
-from .errors import RpcError
+from rrefrt.payload import torchimport
+from rrefrt.errors import RpcError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

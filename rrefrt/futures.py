@@ -70,9 +70,9 @@ import threading
 import traceback
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
-from . import torchimport
-from .errors import RpcError, SerializationError, fresh
-from .pool import WorkerPool, current_pool
+from rrefrt.payload import torchimport
+from rrefrt.errors import RpcError, SerializationError, fresh
+from rrefrt.pool import WorkerPool, current_pool
 
 __all__ = ["Future", "wait_all", "collect_all", "FutureAlreadyCompletedError", "FutureCallbackError"]
 

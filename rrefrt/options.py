@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ArgumentError
+from rrefrt.errors import ArgumentError
 
 __all__ = ["RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo", "BackendType"]
 
@@ -33,7 +33,7 @@ class WorkerInfo:
 
 def _device_str(d: Any) -> str:
     """``0`` and ``"cuda"`` -> ``"cuda:0"``; anything else as ``str`` (a torch.device too).
-    Whether the device is valid is checked at init, on every worker (rrefrt/devices.py)."""
+    Whether the device is valid is checked at init, on every worker (rrefrt/payload/devices.py)."""
     if isinstance(d, int) and not isinstance(d, bool):
         return f"cuda:{d}"
     s = str(d).strip()

@@ -43,7 +43,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from .errors import RpcError
+from rrefrt.errors import RpcError
 
 log = logging.getLogger("rrefrt.pool")
 
@@ -67,7 +67,7 @@ def current_pool() -> "WorkerPool | None":
 
 class InlineWaits:
     """What ``current_pool()`` returns on a transport thread while it runs a call inline
-    (NOTE [Inline calls] in transport/unix_lead.py): a wait there hands the transport's
+    (NOTE [Inline calls] in transport/unix/lead.py): a wait there hands the transport's
     reading role to its standby thread at once instead of marking a pool thread blocked."""
 
     __slots__ = ("_hand_off",)

@@ -5,7 +5,7 @@ Owns: the call-site hook (``active``/``profiled_call``, called by the public API
 callee-side trampoline (``_Profiled``) that runs the function under a profiler and sends
 its events back, and the merge of those events into the caller's profile.
 Imports from rrefrt: futures, functions, state, torchimport (lower layers). torch is imported
-inside functions only, through rrefrt/torchimport.py, never at import (``import rrefrt``
+inside functions only, through rrefrt/payload/torchimport.py, never at import (``import rrefrt``
 stays free of torch); ``active()`` costs a ``sys.modules`` lookup when torch is absent.
 
 NOTE [RPC profiling]: torch records an RPC made inside
@@ -48,9 +48,11 @@ import time
 import weakref
 from typing import Any, Callable
 
-from . import state, torchimport
-from .functions import is_async_execution, is_future, when_future_done
-from .futures import Future
+from rrefrt import state
+
+from rrefrt.payload import torchimport
+from rrefrt.functions import is_async_execution, is_future, when_future_done
+from rrefrt.futures import Future
 
 log = logging.getLogger("rrefrt.profiling")
 

@@ -27,14 +27,14 @@ import time
 import weakref
 from typing import Any, Generic, Sequence, TypeVar
 
-from . import state
-from .autograd import _hooks as _autograd
-from .errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
-from .functions import is_async_execution, is_future, wrong_return_type
-from .profiling import active as profiling_active, profiled_call, profiling_future
-from .futures import Future
-from .pool import current_pool
-from .rref_context import READY, OwnerRecord, UserRecord
+from rrefrt import state
+from rrefrt import hooks as _autograd
+from rrefrt.errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
+from rrefrt.functions import is_async_execution, is_future, wrong_return_type
+from rrefrt.profiling import active as profiling_active, profiled_call, profiling_future
+from rrefrt.futures import Future
+from rrefrt.pool import current_pool
+from rrefrt.protocol.context import READY, OwnerRecord, UserRecord
 
 __all__ = ["RRef"]
 

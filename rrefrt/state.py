@@ -21,7 +21,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-from .errors import ShutdownError
+from rrefrt.errors import ShutdownError
 
 _runtime: Any = None
 _bound = threading.local()  #: .rt: the runtime this thread works for (NOTE [Runtime binding])

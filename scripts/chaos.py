@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Long chaos campaigns: ``python scripts/chaos.py --runs 500 [--start 1000] [--duration 2]``.
 
-Each run is tests/chaos.py's ``run_one(seed)``: 3 workers doing RRef work under seeded
+Each run is tests/support/chaos.py's ``run_one(seed)``: 3 workers doing RRef work under seeded
 message drops, delays, duplicates and reordering; by seed, no disruption, a SIGKILL or a
 SIGSTOP of one worker, a SIGSTOP just under or over the heartbeat timeout followed by
 SIGCONT ("stop_near"), or a 200 MB result (stalled by a SIGSTOP in half of those runs).
@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.chaos import check, run_one  # noqa: E402
+from tests.support.chaos import check, run_one  # noqa: E402
 
 
 def summary(results: list) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 10, in one go, on a machine with CUDA (a few minutes):
-#   1. tests/test_gpu.py (+ the device/serialization unit tests), CUDA IPC on (the default);
-#   2. tests/test_gpu.py again with RREFRT_CUDA_IPC=0 (host staging), the kill test left out;
+#   1. tests/gpu/test_gpu.py (+ the device/serialization unit tests), CUDA IPC on (the default);
+#   2. tests/gpu/test_gpu.py again with RREFRT_CUDA_IPC=0 (host staging), the kill test left out;
 #   3. bench/bench_gpu.py --quick: cuda:0 -> cuda:0 round trips, 1 MB..256 MB, beside torch.
 # Needs python3 with torch (CUDA), msgpack, pytest and pytest-timeout. pyzmq (and anything
 # else missing) is installed from the wheels in .whl/ into /tmp/rrefrt-site when it cannot be
@@ -38,10 +38,10 @@ rc=0
 step() { echo; echo "== $1 ($(date -u +%T))"; }
 ok() { local r=$?; [ $r = 0 ] || [ $r = 5 ]; }  # pytest's 5: nothing collected (CUDA absent: skipped)
 step "1/3 GPU tests, CUDA IPC on"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu.py tests/test_devices.py \
-    tests/test_serialization.py; ok || rc=1
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs -s tests/gpu/test_gpu.py tests/unit/test_devices.py \
+    tests/unit/test_serialization.py; ok || rc=1
 step "2/3 GPU tests, CUDA IPC off (host staging)"
-RREFRT_CUDA_IPC=0 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k "not killed"; ok || rc=1
+RREFRT_CUDA_IPC=0 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_gpu.py -k "not killed"; ok || rc=1
 step "3/3 GPU bench (quick)"
 timeout 150 "$PY" bench/bench_gpu.py --quick --timeout 70 || rc=1
 echo; echo "gpu_check: $([ $rc = 0 ] && echo PASSED || echo FAILED) ($(date -u +%T))"

@@ -11,7 +11,7 @@ Each worker is this script in ``--worker`` mode (only ``transport`` imported). C
 every round starts W Python processes. The flood starts only once every worker has joined
 (a "go" line from the campaign): a mesh that floods its own joiners starves them of CPU on
 a small machine, and a joiner starved past the heartbeat timeout is expelled (NOTE [Fenced
-while joining] in transport.zmqagent). The join timeout grows with the mesh (``join_timeout``).
+while joining] in rrefrt_transport.zmq.agent). The join timeout grows with the mesh (``join_timeout``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ def join_timeout(workers: int) -> float:
 
 # ---------------------------------------------------------------------------- worker side
 def worker(cfg: dict) -> None:
-    import transport
-
+    import rrefrt_transport as transport
     rng = random.Random(cfg["id"])
     holder: dict[str, Any] = {}
 

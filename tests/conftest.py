@@ -101,3 +101,16 @@ def _no_thread_leak_between_modules():
     yield
     # a test must not leave the runtime of another group behind
     assert os.getpid() > 0 and threading.active_count() < 200
+
+
+#: test folders by layer; each folder's tests carry the marker of its name, so that
+#: ``pytest -m unit`` or ``pytest tests/unit`` runs one layer (CI runs them all)
+LAYERS = ("unit", "protocol", "transport", "cluster", "failure", "launcher", "gpu", "compat")
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        rel = os.path.relpath(str(item.path), _TESTS).split(os.sep)
+        if rel and rel[0] in LAYERS:
+            item.add_marker(getattr(pytest.mark, rel[0]))

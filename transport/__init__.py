@@ -1,10 +1,10 @@
-"""rrefrt's messaging layer: the transport seam (``transport.base``) and its implementations.
+"""rrefrt's messaging layer: the transport seam (``rrefrt_transport.base``) and its implementations.
 
 Built-in implementations (registered by name): ``"zmq"``, a ZeroMQ ROUTER mesh with msgpack
-headers and raw buffer frames (``transport.zmqagent``); ``"unix"``, the same-host data plane
-over AF_UNIX with shared-memory segments for large frames (``transport.unix``); ``"auto"``,
+headers and raw buffer frames (``rrefrt_transport.zmq.agent``); ``"unix"``, the same-host data plane
+over AF_UNIX with shared-memory segments for large frames (``rrefrt_transport.unix.transport``); ``"auto"``,
 the default, which sends to same-host peers over ``"unix"`` and to every other peer over
-``"zmq"`` (``transport.auto``); ``"inproc"``, an in-process fake for unit tests. Knows nothing about RRefs;
+``"zmq"`` (``rrefrt_transport.auto``); ``"inproc"``, an in-process fake for unit tests. Knows nothing about RRefs;
 imports only zmq, msgpack and the standard library.
 
 The runtime uses it as::
@@ -15,9 +15,9 @@ The runtime uses it as::
     t.connect_peers([PeerSpec(rank, name, incarnation, PeerAddress.from_wire(d)), ...], timeout)
 """
 
-from . import wire
-from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, Transport, TransportConfig, create, register, registered
-from .errors import (
+from rrefrt_transport import wire
+from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, Transport, TransportConfig, create, register, registered
+from rrefrt_transport.errors import (
     AgentClosed,
     AuthenticationFailed,
     Fenced,
@@ -27,12 +27,14 @@ from .errors import (
     RequestTimeout,
     TransportError,
 )
-from .hosts import host_id
-from .security import CurveAuth
-from .wire import FIRST_APP_KIND
-from .legacy import Agent, AgentOptions
-from .zmqagent import ZmqTransport
-from . import auto, inproc, unix  # noqa: E402,F401  (register "auto", "inproc", "unix")
+from rrefrt_transport.hosts import host_id
+from rrefrt_transport.zmq.security import CurveAuth
+from rrefrt_transport.wire import FIRST_APP_KIND
+from rrefrt_transport.legacy import Agent, AgentOptions
+from rrefrt_transport.zmq.agent import ZmqTransport
+from rrefrt_transport import auto
+from rrefrt_transport import inproc
+from rrefrt_transport.unix import transport as unix  # noqa: E402,F401  (register "auto", "inproc", "unix")
 
 __all__ = [
     "Agent",

@@ -45,10 +45,10 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, Transport, TransportConfig, create, register
-from .errors import AuthenticationFailed, TransportError
-from .unix import UnixTransport
-from .unix_admit import host_key
+from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, Transport, TransportConfig, create, register
+from rrefrt_transport.errors import AuthenticationFailed, TransportError
+from rrefrt_transport.unix.transport import UnixTransport
+from rrefrt_transport.unix.admit import host_key
 
 log = logging.getLogger("rrefrt.transport")
 
@@ -177,7 +177,7 @@ class AutoTransport:
         self._on_peer_dead(peer_id, cause)
 
     def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
-        """NOTE [Inline calls] in transport/unix_lead.py: only for what the unix transport's
+        """NOTE [Inline calls] in transport/unix/lead.py: only for what the unix transport's
         receiver thread read (any other thread is told no)."""
         return self.local is not None and self.local.run_inline(task, fallback)
 

@@ -3,8 +3,8 @@ hub, with no sockets. Registered as ``"inproc"``.
 
 Owns: ``InprocHub`` (the shared "network": one delivery thread, one timer heap, the members
 and who is dead) and ``InprocTransport`` (one worker's end, implementing
-``transport.base.Transport``). Imports only the standard library and transport.base /
-transport.errors; never zmq, msgpack, torch or rrefrt.
+``rrefrt_transport.base.Transport``). Imports only the standard library and rrefrt_transport.base /
+rrefrt_transport.errors; never zmq, msgpack, torch or rrefrt.
 
 Theory of operation:
 
@@ -33,8 +33,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
-from .errors import AgentClosed, PeerUnavailable, RequestTimeout
+from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
+from rrefrt_transport.errors import AgentClosed, PeerUnavailable, RequestTimeout
 
 log = logging.getLogger("rrefrt.transport.inproc")
 
@@ -135,7 +135,7 @@ class InprocHub:
 
 
 class InprocTransport:
-    """One worker's end of an ``InprocHub`` (implements transport.base.Transport)."""
+    """One worker's end of an ``InprocHub`` (implements rrefrt_transport.base.Transport)."""
 
     def __init__(self, hub: InprocHub, worker_id: int, name: str, on_message: OnMessage, on_peer_dead: OnPeerDead) -> None:
         self.hub = hub
@@ -312,7 +312,7 @@ class InprocTransport:
 
 
 def _factory(config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> InprocTransport:
-    """``transport.base.create`` entry: the hub is ``config.extra["hub"]`` (required: a
+    """``rrefrt_transport.base.create`` entry: the hub is ``config.extra["hub"]`` (required: a
     test owns its hub and closes it; there is no process-wide one)."""
     hub = config.extra.get("hub")
     if not isinstance(hub, InprocHub):

@@ -9,7 +9,7 @@ Owns: ``AgentOptions`` and ``Agent``, the zmq transport built the old way::
 ``bind`` binds a data, a heartbeat and an echo endpoint and returns both as one opaque string
 (``"<data>|<heartbeat>|<echo>"``) that the caller publishes and hands back in ``PeerSpec.address``; for
 ``ipc://`` the requested path is ignored and the private directory is used (NOTE [ipc socket
-files] in ``transport.hosts``). New code uses ``create(TransportConfig)``, ``listen()`` and
+files] in ``rrefrt_transport.hosts``). New code uses ``create(TransportConfig)``, ``listen()`` and
 ``PeerSpec(..., PeerAddress)``; ``Agent(config, on_message, on_peer_dead)`` also works.
 Imports only the transport's own modules and the standard library.
 """
@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from . import security
-from .base import PeerAddress, PeerSpec, TransportConfig
-from .hosts import IpcDir
-from .zmqagent import ECHO, LIVE, ZmqTransport
+from rrefrt_transport.zmq import security
+from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig
+from rrefrt_transport.hosts import IpcDir
+from rrefrt_transport.zmq.agent import ECHO, LIVE, ZmqTransport
 
 _SEP = "|"
 
@@ -62,7 +62,7 @@ class Agent(ZmqTransport):
 
     @property
     def _outbox_lock(self) -> Any:
-        """The data loop's outbox lock (tests/failure_scenarios.py forks while it is held)."""
+        """The data loop's outbox lock (tests/support/failure_scenarios.py forks while it is held)."""
         return self._loop._lock
 
     def bind(self, endpoint: str) -> str:

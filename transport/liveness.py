@@ -3,8 +3,8 @@
 Owns: each peer's ``PeerState``, the evidence it was judged on (when it was last heard,
 since when its route is gone) and the decision to declare it dead. Imports only the
 standard library; knows nothing of sockets, threads or zmq. The heartbeat thread
-(``transport.heartbeat``) feeds it events and performs what it returns; tests drive it with
-a fake clock (``tests/test_liveness.py``).
+(``rrefrt_transport.zmq.heartbeat``) feeds it events and performs what it returns; tests drive it with
+a fake clock (``tests/unit/test_liveness.py``).
 
 Rule 1: every transition is an entry of ``TRANSITIONS``; a (state, event) pair that is not
     in the table leaves the state as it is. DEAD is final: a peer declared dead is fenced
@@ -14,7 +14,7 @@ Rule 2: a peer is declared dead when (a) its route has been gone for ``route_gra
     was heard from it for ``heartbeat_timeout`` seconds once it was up, or (c) another
     member says so (DEAD_NOTICE). The zmq transport judges silence by its echo
     connections, which libzmq answers without the GIL (NOTE [Liveness] in
-    ``transport.heartbeat``: a stopped, frozen or partitioned peer's echo falls silent; a
+    ``rrefrt_transport.zmq.heartbeat``: a stopped, frozen or partitioned peer's echo falls silent; a
     process whose GIL is held for long still echoes, so it is not declared dead). No
     transport uses ZMTP heartbeats any more.
 Rule 3: when the table itself was not ticked for ``heartbeat_timeout / 2`` (this process was

@@ -26,11 +26,11 @@ A message is one ZeroMQ multipart message on a ROUTER-to-ROUTER mesh::
     PING (3)        data socket: None, probes a route, ignored by the receiver.
                     liveness socket: [incarnation, answer wanted], a route probe; sent
                     while joining, after a disconnect and to suspects (NOTE [Liveness] in
-                    transport.heartbeat); answered with [incarnation, false] when wanted
+                    rrefrt_transport.zmq.heartbeat); answered with [incarnation, false] when wanted
     RESPONSE (4)    answer to the request msg_id; meta and frames belong to the runtime
     DEAD_NOTICE (5) liveness socket: [peer id, peer incarnation, cause]: the sender
                     declared that peer dead; the receiver declares it dead too, naming the
-                    sender (NOTE [Membership] in transport.heartbeat). About the receiver
+                    sender (NOTE [Membership] in rrefrt_transport.zmq.heartbeat). About the receiver
                     itself: read as FENCED
     FENCED (6)      liveness socket: [cause]: the sender declared the receiver dead; the
                     receiver fails every pending and later request with Fenced

@@ -33,18 +33,18 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ._hooks import current_context_id
+from rrefrt.hooks import current_context_id
 
 __all__ = ["context", "backward", "get_gradients", "current_context_id", "AutogradContextError"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "context":
-        from ._engine import context
+        from rrefrt.autograd._engine import context
 
         return context
     if name == "AutogradContextError":
-        from ._context import AutogradContextError
+        from rrefrt.autograd._context import AutogradContextError
 
         return AutogradContextError
     raise AttributeError(f"module 'rrefrt.autograd' has no attribute {name!r}")
@@ -53,7 +53,7 @@ def __getattr__(name: str) -> Any:
 def backward(context_id: int, roots: Sequence[Any], retain_graph: bool = False) -> None:
     """Run the distributed backward pass of ``context_id`` from the scalar ``roots``;
     returns once every worker's part of it is done."""
-    from ._engine import backward as run
+    from rrefrt.autograd._engine import backward as run
 
     run(context_id, roots, retain_graph)
 
@@ -61,6 +61,6 @@ def backward(context_id: int, roots: Sequence[Any], retain_graph: bool = False) 
 def get_gradients(context_id: int) -> dict[Any, Any]:
     """{tensor: gradient} of the leaves on this worker accumulated in ``context_id``
     (``.grad`` is never touched)."""
-    from ._engine import get_gradients as get
+    from rrefrt.autograd._engine import get_gradients as get
 
     return get(context_id)

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from .. import state
-from ..errors import RpcError
+from rrefrt import state
+from rrefrt.errors import RpcError
 
 __all__ = ["AutogradContext", "AutogradContextError", "Registry", "registry", "RecvEdge"]
 

@@ -13,8 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .config import LaunchConfig, LaunchError
-from .output import Console
+from rrefrt.run.config import LaunchConfig, LaunchError
+from rrefrt.run.output import Console
 
 __all__ = ["main", "build_parser", "parse_config"]
 
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cfg.start_method == "forkserver":
             logging.getLogger("rrefrt.run").info(
                 "--start-method forkserver: workers are started as fresh interpreters")
-        from .supervisor import Supervisor
+        from rrefrt.run.supervisor import Supervisor
         return Supervisor(cfg, console, os.environ).run()
     except LaunchError as e:
         console.message(f"rrefrt-run: error: {e}")

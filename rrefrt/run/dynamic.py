@@ -4,7 +4,7 @@ without a world size, ``--join HOST:PORT`` adds workers to such a running job
 
 Owns: the launcher's keys of a dynamic job (under ``launcher/dyn/``), the ranks each
 launcher hands out, the heartbeat of a joining launcher and the host's view of the joining
-launchers still running. Imports only the standard library and ``rrefrt.store``.
+launchers still running. Imports only the standard library and ``rrefrt.group.store``.
 
 Keys:
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 import threading
 import time
 
-from rrefrt.store import StoreClient, StoreError
+from rrefrt.group.store import StoreClient, StoreError
 
-from .config import LaunchError
+from rrefrt.run.config import LaunchError
 
 __all__ = ["DynamicJob", "parse_join"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 
-from .workers import Worker, signal_name
+from rrefrt.run.workers import Worker, signal_name
 
 __all__ = ["failure_report", "remote_failure_report", "outcome_lines", "summary_line"]
 

@@ -34,16 +34,16 @@ import time
 from collections.abc import Callable, Mapping
 from types import FrameType
 
-from rrefrt.store import PortInUseError, StoreAuthError, StoreClient, StoreError, StoreServer
+from rrefrt.group.store import PortInUseError, StoreAuthError, StoreClient, StoreError, StoreServer
 
-from . import report
-from .dynamic import DynamicJob, parse_join
-from .config import LaunchConfig, LaunchError, UsageError
-from .devices import DevicePlan, plan_devices, usable_cores, visible_gpus
-from .output import Console, OutputPump, tail_of_file
-from .rendezvous import (NodeMonitor, World, linger_after_failed_rendezvous, local_node_info, secret_refused,
+from rrefrt.run import report
+from rrefrt.run.dynamic import DynamicJob, parse_join
+from rrefrt.run.config import LaunchConfig, LaunchError, UsageError
+from rrefrt.run.devices import DevicePlan, plan_devices, usable_cores, visible_gpus
+from rrefrt.run.output import Console, OutputPump, tail_of_file
+from rrefrt.run.nodes import (NodeMonitor, World, linger_after_failed_rendezvous, local_node_info, secret_refused,
                          publish_abort, publish_done, rendezvous)
-from .workers import Worker, WorkerSpec, build_argv, group_members, signal_name, worker_environ
+from rrefrt.run.workers import Worker, WorkerSpec, build_argv, group_members, signal_name, worker_environ
 
 __all__ = ["Supervisor"]
 
@@ -171,7 +171,7 @@ class Supervisor:
     def _store_client(self, addr: str, port: int, connect_timeout: float) -> StoreClient:
         """A client of the job's store: it proves the secret when the store asks for it. It
         accepts a store that does not ask (node 0 without RREFRT_SECRET), so that the node
-        rendezvous reports a secret set on some nodes only; workers do not (rrefrt.rendezvous)."""
+        rendezvous reports a secret set on some nodes only; workers do not (rrefrt.group.rendezvous)."""
         return StoreClient(addr, port, connect_timeout=connect_timeout, secret=self._secret,
                            require_auth=False, identity=self._identity)
 

@@ -1,4 +1,4 @@
-"""A worker of tests/test_dynamic.py's launcher test: ``dynamic_job.py host|joiner``.
+"""A worker of tests/cluster/test_dynamic.py's launcher test: ``dynamic_job.py host|joiner``.
 
 The host (started by ``rrefrt-run --dynamic``) waits, bounded, until two joiners (started
 later by ``rrefrt-run --join``) have called it, calls each back, and leaves; each joiner

@@ -94,7 +94,7 @@ def main() -> None:
                                        int(os.environ["MASTER_PORT"])), timeout=5):
             info["store_reachable"] = True
         # the launcher's store authenticates with the job secret (issue 11 item 13)
-        from rrefrt.store import StoreAuthError, StoreClient
+        from rrefrt.group.store import StoreAuthError, StoreClient
 
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         try:

@@ -1,6 +1,6 @@
 """Which of torch's RPC tests rrefrt is expected to fail, and why; what CI runs.
 
-Data only (read by tests/test_torch_compat.py and tests/torch_compat/report.py). Keys are
+Data only (read by tests/compat/test_torch_compat.py and tests/torch_compat/report.py). Keys are
 "Class.test" with Class one of RpcTest, TensorPipeAgentRpcTest (torch's names).
 Every entry has a cause (one of CAUSES) and a one-line reason. When a fix lands and a test
 passes, delete its entry (the full run reports it as "now passes") and consider adding it to
@@ -237,7 +237,7 @@ CI_PASSING: list[str] = [
     "RpcTest.test_profiler_remote_events_profiled",
     "RpcTest.test_profiler_with_remote_builtin",
     "RpcTest.test_rpc_profiling_async_function",
-    # dynamic groups (rrefrt/membership.py): 4 workers join and leave a dynamic group at once
+    # dynamic groups (rrefrt/group/membership.py): 4 workers join and leave a dynamic group at once
     "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc",
 ]
 

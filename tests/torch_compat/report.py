@@ -50,7 +50,7 @@ def main(paths: list[str]) -> int:
             print(f"- {why}: {', '.join(names)}")
         print()
     print("## Every test\n")
-    print("`rrefrt`: the outcome on rrefrt. `in CI`: run by tests/test_torch_compat.py (`yes`: must pass; "
+    print("`rrefrt`: the outcome on rrefrt. `in CI`: run by tests/compat/test_torch_compat.py (`yes`: must pass; "
           "`xfail`: expected to fail until its fix lands).")
     print("\n| test | rrefrt | in CI | cause | why |")
     print("| --- | --- | --- | --- | --- |")

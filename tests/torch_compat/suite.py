@@ -14,7 +14,7 @@ harness sets ``RPC_INIT_WITH_TCP=1`` for that), and a timeout regex that accepts
 timeout message as well as torch's.
 
 ``run_case(cls, name)`` runs one test method through unittest and returns its outcome;
-tests/test_torch_compat.py and tests/torch_compat/run_all.py use it.
+tests/compat/test_torch_compat.py and tests/torch_compat/run_all.py use it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A transport peer for tests/test_transport.py, run as its own process.
+"""A transport peer for tests/transport/test_transport.py, run as its own process.
 
     python peer.py '{"id": 1, "name": "B", "options": {...}}'      (PYTHONPATH=<repo root>)
 
@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from transport import PeerAddress, PeerSpec, Transport, TransportConfig, create
+from rrefrt_transport import PeerAddress, PeerSpec, Transport, TransportConfig, create
 
 ECHO = 16  #: respond with the request's meta and frames
 IGNORE = 17  #: never respond (a peer that does not answer)

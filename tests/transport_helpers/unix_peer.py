@@ -1,4 +1,4 @@
-"""A same-host transport peer for tests/test_unix_transport.py and tests/test_shm.py.
+"""A same-host transport peer for tests/transport/test_unix_transport.py and tests/unit/test_shm.py.
 
     python unix_peer.py '{"id": 1, "name": "B", "secret": null, ...}'   (PYTHONPATH=<repo root>)
 
@@ -24,10 +24,10 @@ import threading
 import time
 from typing import Any, Sequence
 
-from transport import shm
-from transport import auto  # noqa: F401 - registers "auto"
-from transport.base import PeerAddress, PeerSpec, TransportConfig, create
-from transport.unix import UnixTransport
+from rrefrt_transport.unix import shm
+from rrefrt_transport import auto  # noqa: F401 - registers "auto"
+from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig, create
+from rrefrt_transport.unix.transport import UnixTransport
 
 ECHO, IGNORE, BIG, HOLD = 16, 17, 18, 19
 

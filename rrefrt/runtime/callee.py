@@ -1,0 +1,343 @@
+"""The callee side: running peers' calls (user functions) and answering them.
+
+Owns: the arrival of PYTHON_CALL and PYTHON_REMOTE (deduplication, hand-off to the user
+pool), the execution of user functions (plain, ``@async_execution``, ``async def`` on the
+event loop thread), replies and acknowledgements, and serving fetches (pickling a value).
+Imports from rrefrt: errors, messages, rref_context, serialization.
+
+Threads: ``on_python_call`` / ``on_remote_request`` / ``on_fetch`` run on the transport
+thread and never unpickle; ``run_call`` runs on the user pool, or on the same-host
+transport's reading thread after its loop iteration, under its standby's watch (NOTE
+[Inline calls] in transport/unix/lead.py); ``serve_fetch`` on the callback pool, on the
+pool thread that set the value, on the transport thread (a plain value, no user code), or
+inline as ``run_call`` (see the home-thread table in rrefrt/runtime/control.py); ``async def``
+functions on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import inspect
+import logging
+import threading
+import traceback
+from typing import Any, Callable, Sequence
+
+import rrefrt_transport as transport
+from rrefrt.payload import serialization as ser
+from rrefrt import state
+from rrefrt.payload.devices import NO_SCOPE
+from rrefrt.errors import RemoteSerializationError, SerializationError, ShutdownError
+from rrefrt.functions import is_async_execution, when_future_done
+from rrefrt.pool import InlineWaits, PoolExhaustedError, acting_as
+from rrefrt.protocol.messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
+from rrefrt.protocol.context import FAILED, READY, OwnerRecord
+
+log = logging.getLogger("rrefrt")
+
+#: how many recent PYTHON_CALL ids per peer are remembered to drop duplicates
+SEEN_CALLS = 65536
+
+#: a fetched str/bytes value up to this size is pickled on the thread that read the fetch
+INLINE_FETCH_BYTES = 64 * 1024
+#: types whose pickling runs no user code (their subclasses may: ``type(v) in`` only)
+_PLAIN = frozenset({type(None), bool, int, float, complex})
+_PLAIN_SIZED = frozenset({str, bytes})
+
+Done = Callable[[Any, "BaseException | None"], None]
+
+
+class Callee:
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        #: src -> (ids, order): recent PYTHON_CALL ids per peer, to drop duplicates (transport thread)
+        self._seen_calls: dict[int, tuple[set[int], collections.deque]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+        #: the transport's run_inline (NOTE [Inline calls]), looked up at the first call
+        self._inline: Callable[[Callable[[], None], Callable[[], None]], bool] | None = None
+        self._waits = InlineWaits(_no_hand_off)
+
+    # ------------------------------------------------------------------ arrival (transport thread)
+    def on_python_call(self, src: int, msg_id: int, msg: PythonCall, frames: Sequence[Any]) -> None:
+        if msg.deletes:  # NOTE [Piggybacked deletes] in docs/protocol.md: before the call
+            self.rt.control.perform(self.rt.ctx.on_user_deletes(msg.deletes))
+        if self._seen_before(src, msg_id):
+            self.rt.stats["duplicate_calls_dropped"] += 1
+            return
+        self._start(src, msg, msg_id, frames, None)
+
+    def on_remote_request(self, src: int, msg_id: int, msg: RemoteRequest, frames: Sequence[Any]) -> None:
+        if msg.deletes:  # NOTE [Piggybacked deletes]: before the creation; idempotent (retries)
+            self.rt.control.perform(self.rt.ctx.on_user_deletes(msg.deletes))
+        rec = self.rt.creation.on_request(src, msg_id, msg)
+        if rec is not None:  # not a duplicate; the answer goes through the creation tracker
+            self._start(src, msg, 0, frames, rec)
+
+    def _start(self, src: int, msg: PythonCall | RemoteRequest, msg_id: int, frames: Sequence[Any],
+               rec: OwnerRecord | None) -> None:
+        rt = self.rt
+        rrefs = rt.caller.rrefs_from_forks(msg.forks, src, lazy=isinstance(msg, PythonCall))
+        if not rt.accepting:
+            err = ShutdownError(f"worker {rt.info.name!r} is shutting down and accepts no new calls")
+            self.finish(src, msg, msg_id, rec, None, err)
+            return
+        rt.lifecycle.track_call(+1, src)
+        call = (src, msg, msg_id, frames, rrefs, rec)
+        # NOTE [Inline calls] in transport/unix/lead.py: the thread that read it runs it
+        if not self._inline_hook()(lambda: self._run_inline(self.run_call, call), lambda: self._submit(call)):
+            self._submit(call)
+
+    def _inline_hook(self) -> Callable[[Callable[[], None], Callable[[], None]], bool]:
+        inline = self._inline
+        if inline is None:
+            transport_ = self.rt.transport
+            inline = self._inline = getattr(transport_, "run_inline", None) or _no_inline
+            self._waits = InlineWaits(getattr(transport_, "hand_off", _no_hand_off))
+        return inline
+
+    def _submit(self, call: tuple) -> None:
+        rt = self.rt
+        try:
+            rt.pool.submit(self.run_call, *call, reject_when_exhausted=True)
+        except PoolExhaustedError as e:  # the hard cap of the compensating pool: fail this call, typed
+            src, msg, msg_id, _frames, _rrefs, rec = call
+            rt.lifecycle.track_call(-1, src)
+            self.finish(src, msg, msg_id, rec, None, e)
+        except RuntimeError as e:  # a stopped pool (a queued inline call's fallback at close)
+            src, msg, msg_id, _frames, _rrefs, rec = call
+            rt.lifecycle.track_call(-1, src)
+            self.finish(src, msg, msg_id, rec, None, ShutdownError(f"worker {rt.info.name!r} is shutting down ({e})"))
+
+    def _run_inline(self, fn: Callable[..., None], args: tuple) -> None:
+        """On the transport thread that read the call or fetch (NOTE [Inline calls]): as a
+        pool task does, bound to this runtime; rrefrt's waits hand the reading role on."""
+        with state.bound(self.rt), acting_as(self._waits):
+            fn(*args)
+
+    def _seen_before(self, src: int, msg_id: int) -> bool:
+        """A PYTHON_CALL delivered twice must not run twice."""
+        seen = self._seen_calls.get(src)
+        if seen is None:
+            seen = self._seen_calls[src] = (set(), collections.deque())
+        ids, order = seen
+        if msg_id in ids:
+            return True
+        ids.add(msg_id)
+        order.append(msg_id)
+        if len(order) > SEEN_CALLS:
+            ids.discard(order.popleft())
+        return False
+
+    # ------------------------------------------------------------------ execution (user pool)
+    def run_call(self, src: int, msg: Any, msg_id: int, frames: Sequence[Any], rrefs: list[Any],
+                 rec: OwnerRecord | None) -> None:
+        rt = self.rt
+        #: NOTE [Device maps] in rrefrt/payload/devices.py: the function runs with this worker's device
+        #: current, on a pooled stream that waits for the arriving tensors; its result's
+        #: tensors are recorded so the caller never sees unfinished values (NO_SCOPE without CUDA)
+        scope = rt.devices.scope() if rt.devices is not None else NO_SCOPE
+        lazy = rt.caller.unregistered(rrefs) if isinstance(msg, PythonCall) else []
+        # handed over, emptied: neither this frame nor the pool's task keeps the RRefs alive
+        call = [frames, list(rrefs)]
+        rrefs.clear()
+        del frames, rrefs
+        try:
+            self._run_call(src, msg, msg_id, call, rec, scope)
+        finally:
+            # NOTE [Lazy registration] in docs/protocol.md: the call's frames have returned;
+            # a received fork whose RRef object survives them registers now
+            if lazy:
+                rt.caller.register_survivors(lazy)
+
+    def _run_call(self, src: int, msg: Any, msg_id: int, call: list[Any], rec: OwnerRecord | None,
+                  scope: Any) -> None:
+        rt = self.rt
+        frames, rrefs = call
+        call.clear()
+
+        def done(value: Any, exc: BaseException | None) -> None:
+            try:
+                if exc is None:
+                    value = scope.finish(value)
+                self.finish(src, msg, msg_id, rec, value, exc)
+            finally:
+                rt.lifecycle.track_call(-1, src)
+
+        with scope:
+            try:
+                func, args, kwargs = ser.loads(frames, rrefs)
+            except BaseException as e:
+                if isinstance(e, SerializationError):  # we lack (or refuse) a class: say so, typed
+                    cause = e.__cause__ or e
+                    err = RemoteSerializationError(str(e), f"{type(cause).__module__}.{type(cause).__qualname__}", rt.info.name)
+                    err.__cause__ = e
+                    e = err
+                done(None, e)
+                return
+            # a received fork may still await the owner's ack: the function runs now, and
+            # confirmed_by_owner() waits for it (NOTE [Early run] in docs/protocol.md)
+            del rrefs, frames
+            scope.use(args)
+            self.invoke(func, args, kwargs, done)
+
+    def invoke(self, func: Any, args: tuple, kwargs: dict, done: Done) -> None:
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as e:
+            done(None, e)
+            return
+        if is_async_execution(func):
+            when_future_done(result, func, done)
+        elif inspect.iscoroutine(result):
+            cf = asyncio.run_coroutine_threadsafe(result, self._event_loop())
+            cf.add_done_callback(lambda f: self.rt.pool.submit(_settle, f, done))
+        else:
+            done(result, None)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                t = threading.Thread(target=_run_loop, args=(self.rt, loop), name=f"rrefrt-{self.rt.info.name}-asyncio", daemon=True)
+                t.start()
+                self._loop, self._loop_thread = loop, t
+            return self._loop
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._loop_thread is not None:
+                self._loop_thread.join(timeout)
+
+    # ------------------------------------------------------------------ replies
+    def finish(self, src: int, msg: Any, msg_id: int, rec: OwnerRecord | None, value: Any, exc: BaseException | None) -> None:
+        try:
+            self._finish(src, msg, msg_id, rec, value, exc)
+        finally:
+            if exc is not None:
+                release_frames(exc)
+
+    def _finish(self, src: int, msg: Any, msg_id: int, rec: OwnerRecord | None, value: Any, exc: BaseException | None) -> None:
+        rt = self.rt
+        if isinstance(msg, RemoteRequest):
+            assert rec is not None
+            rt.control.perform(rt.ctx.set_value(rec, value, exc))
+            if src != rt.info.id:  # not a remote() to self
+                rt.creation.finished(rec, src, exc)
+            return
+        if exc is None:
+            try:
+                frames, forks = rt.caller.dumps(value, src, reply=True)
+                if not self.respond(src, msg_id, [OK, forks], frames, msg):
+                    rt.caller.abort_forks(forks)  # never sent (NOTE [Fenced forks] in caller.py)
+                return
+            except Exception as e:
+                exc = e
+        self.respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, rt.info.name), msg)
+
+    def on_fetch(self, src: int, msg_id: int, msg: Fetch, frames: Sequence[Any]) -> None:
+        """Transport thread: a fetch. A ready plain value is answered here, another ready one
+        on this thread after the loop's iteration (NOTE [Inline calls]) or on the callback
+        pool; a pending one waits for the value (served by whoever sets it)."""
+        sf = self.rt.ctx.on_fetch(msg.rref_id, src, msg_id)
+        if sf is None or self.serve_fetch_inline(sf):
+            return
+        cbs = self.rt.callbacks
+        # a ready value whose pickling may run user code: after this loop iteration, on this
+        # thread, under the standby's watch (NOTE [Inline calls]); else the callback pool
+        if not self._inline_hook()(
+                lambda: self._run_inline(self.serve_fetch, (sf,)), lambda: cbs.submit(self.serve_fetch, sf)):
+            cbs.submit(self.serve_fetch, sf)
+
+    def serve_fetch_inline(self, sf: ServeFetch) -> bool:
+        """Answer a fetch on this thread if pickling the value runs no user code (a plain
+        value: None, bool, int, float, complex, or str/bytes below ``INLINE_FETCH_BYTES``).
+        False: not done, the caller hands it to the callback pool."""
+        rec = sf.record
+        if rec.state != READY:
+            return False
+        v = rec.value
+        t = type(v)
+        if t not in _PLAIN and not (t in _PLAIN_SIZED and len(v) <= INLINE_FETCH_BYTES):
+            return False
+        self.serve_fetch(sf)
+        return True
+
+    def serve_fetch(self, sf: ServeFetch) -> None:
+        """Callback pool: answer a fetch with the value (pickling it may run user code)."""
+        rt, rec = self.rt, sf.record
+        if rec.state == FAILED:
+            self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(rec.error, rt.info.name), Fetch)
+            return
+        try:
+            frames, forks = rt.caller.dumps(rec.value, sf.src, reply=True)
+        except Exception as e:
+            self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, rt.info.name), Fetch)
+            return
+        if not self.respond(sf.src, sf.msg_id, [OK, forks], frames, Fetch):
+            rt.caller.abort_forks(forks)  # never sent (NOTE [Fenced forks] in caller.py)
+
+    def ack(self, dest: int, msg_id: int, about: Any) -> None:
+        """Acknowledge a protocol message (an empty OK response)."""
+        self.respond(dest, msg_id, Response(OK).meta(), [], about)
+
+    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any], about: Any) -> bool:
+        """Answer request ``msg_id`` of ``dest``; ``about`` (a message or its class) names it
+        for the fault hook as ``RESPONSE:<NAME>``. False: the answer was not sent (too large,
+        or the transport is closed or fenced), so the forks it carried must be undone."""
+        rt = self.rt
+        try:
+            rt.transport.respond(dest, msg_id, meta, frames, "RESPONSE:" + about.NAME)
+            return True
+        except transport.MessageTooLarge as e:
+            err = ser.dumps_error(SerializationError(f"result too large: {e}"), rt.info.name)
+            try:
+                rt.transport.respond(dest, msg_id, [ERROR, []], err)
+            except transport.AgentClosed:
+                log.debug("response to worker %d dropped: transport closed", dest)
+        except transport.AgentClosed:
+            log.debug("response to worker %d dropped: transport closed", dest)
+        return False
+
+
+def release_frames(exc: BaseException) -> None:
+    """NOTE [Error frames]: once a user function's error is answered (and, for remote(),
+    stored), the locals of its finished frames are cleared. A traceback usually sits in a
+    reference cycle (a future holds the error, the error's traceback holds the frame of the
+    future's ``result``), so without this the RRef arguments in those frames stay alive
+    until the garbage collector happens to run - on an idle worker, never - and pin their
+    values on the owner (the leaks after a kill: every call to the dead worker failed).
+    The traceback text was formatted before; line numbers survive the clearing."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+
+
+def _run_loop(rt: Any, loop: asyncio.AbstractEventLoop) -> None:
+    with state.bound(rt):
+        loop.run_forever()
+
+
+def _no_inline(task: Callable[[], None], fallback: Callable[[], None]) -> bool:
+    return False
+
+
+def _no_hand_off() -> None:
+    pass
+
+
+def _settle(f: concurrent.futures.Future, done: Done) -> None:
+    try:
+        value = f.result()
+    except BaseException as e:
+        f = None  # type: ignore[assignment]  # NOTE [No cycle through a raised error] (futures.py)
+        done(None, e)
+        return
+    done(value, None)

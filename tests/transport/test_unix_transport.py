@@ -1,0 +1,420 @@
+"""The same-host transport (transport/unix/transport.py) with real processes over real AF_UNIX sockets.
+
+This process is worker 0; tests/transport_helpers/unix_peer.py children are the others
+(killed by pid at the end of every test)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.support import poll_for
+from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
+from tests.support.unix_support import group
+from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig
+from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, PeerUnavailable, RequestTimeout
+from rrefrt_transport.unix.transport import UnixTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_round_trip_keeps_meta_and_frame_order() -> None:
+    with group(1) as g:
+        assert g.joined == [{"event": "ready"}] and g.join_error is None
+        meta, frames, err = g.call(1, ECHO, {"k": [1, "x"]}, [b"a", b"", b"ccc"])
+        assert err is None and meta == {"k": [1, "x"]}
+        assert [bytes(f) for f in frames] == [b"a", b"", b"ccc"]
+        assert g.t.is_local(1) and g.t.is_alive(1) and g.t.dead_peers() == set()
+
+
+def test_unix_and_auto_implement_the_transport_protocol() -> None:
+    from rrefrt_transport.base import Transport
+
+    with group(1, kind="auto", auto_inner="zmq") as g:
+        assert isinstance(g.t, Transport) and isinstance(g.t.local, Transport)
+        assert g.t.is_local(1) and g.t.uses_same_host_path(1)
+
+
+def test_request_to_self_and_timeout() -> None:
+    with group(1) as g:
+        got: queue.Queue = queue.Queue()
+        g.t.request(1, IGNORE, None, [], 0.3, lambda m, f, e: got.put(e))
+        assert isinstance(got.get(timeout=5), RequestTimeout)
+        g.t.send(0, 16, {"self": True}, [b"x"])
+        src, kind, _, meta, frames = g.messages.get(timeout=5)
+        assert (src, kind, meta, bytes(frames[0])) == (0, 16, {"self": True}, b"x")
+
+
+def test_many_in_flight_from_many_threads() -> None:
+    with group(2) as g:
+        results: queue.Queue = queue.Queue()
+        n_threads, per = 4, 150
+
+        def worker(t: int) -> None:
+            for i in range(per):
+                dest = 1 + (i % 2)
+                payload = f"{t}-{i}".encode()
+                g.t.request(dest, ECHO, [t, i], [payload], 20.0, lambda m, f, e, p=payload: results.put((m, bytes(f[0]) if f else None, e, p)))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        got = [results.get(timeout=20) for _ in range(n_threads * per)]
+        assert all(e is None and f == p for _, f, e, p in got)
+        assert sorted(tuple(m) for m, _, _, _ in got) == sorted((t, i) for t in range(n_threads) for i in range(per))
+        # NOTE [Deadline buckets]: answered requests leave nothing behind until their
+        # deadline (each used to keep a timer entry and its closure for the full 20 s)
+        assert sum(len(b) for b in g.t._buckets.values()) == 0
+        assert len(g.t._timers) < 100, len(g.t._timers)
+
+
+@pytest.mark.parametrize("copy_out", [False, True])
+def test_large_frames_travel_through_shared_memory(copy_out: bool) -> None:
+    with group(1, shm_threshold=256 << 10, shm_copy_out=copy_out) as g:
+        big, mid = pattern(16 << 20), pattern(300 << 10)
+        meta, frames, err = g.call(1, ECHO, "m", [b"small", big, b"tail", mid])
+        assert err is None and meta == "m"
+        assert [bytes(f) for f in frames] == [b"small", big, b"tail", mid]  # original order
+        assert g.t.stats["shm_frames_sent"] == 2 and g.t.stats["shm_frames_received"] == 2
+        del frames
+        poll_for(lambda: g.t.shm_segments()[1] == 0, 5, "the segment returns to the sender's pool")
+        g.call(1, ECHO, None, [big])
+        assert g.t.shm_segments()[0] == 1, "the pooled segment is reused"
+
+
+def test_large_inline_answer_written_from_the_receiver_thread() -> None:
+    """The peer answers from its receiver thread with more than its socket takes at once:
+    the rest is written on EVENT_WRITE, a partly written message included."""
+    with group(1, shm_threshold=0) as g:
+        for size in (16 << 20, 3 << 20):
+            frame = pattern(size)
+            meta, frames, err = g.call(1, ECHO, size, [frame], timeout=30)
+            assert err is None and meta == size and bytes(frames[0]) == frame
+
+
+def test_sigkill_fails_pending_within_a_second() -> None:
+    with group(1) as g:
+        errors: queue.Queue = queue.Queue()
+        for _ in range(20):
+            g.t.request(1, IGNORE, None, [b"x"], 60.0, lambda m, f, e: errors.put((time.monotonic(), e)))
+        time.sleep(0.1)  # let them reach the peer (not a synchronisation: it only makes them pending)
+        t0 = time.monotonic()
+        g.children[0].kill()
+        got = [errors.get(timeout=5) for _ in range(20)]
+        assert all(isinstance(e, PeerUnavailable) and "w1" in str(e) for _, e in got)
+        assert max(t for t, _ in got) - t0 < 1.0
+        assert g.dead.get(timeout=1)[0] == 1 and not g.t.is_alive(1)
+        g.t.request(1, ECHO, None, [], 5.0, lambda m, f, e: errors.put((0, e)))
+        assert isinstance(errors.get(timeout=5)[1], PeerUnavailable), "a dead peer stays fenced"
+
+
+def test_sigstop_past_heartbeat_timeout_is_declared_dead() -> None:
+    with group(1, heartbeat_interval=0.2, heartbeat_timeout=0.8) as g:
+        errors: queue.Queue = queue.Queue()
+        g.t.request(1, IGNORE, None, [], 60.0, lambda m, f, e: errors.put(e))
+        t0 = time.monotonic()
+        g.children[0].kill(signal.SIGSTOP)
+        try:
+            err = errors.get(timeout=5)
+            assert isinstance(err, PeerUnavailable) and "stopped or hung" in str(err)
+            assert time.monotonic() - t0 < 0.8 + 0.6
+        finally:
+            g.children[0].kill(signal.SIGCONT)
+        time.sleep(0.5)  # resumed peer's bytes must not revive it
+        assert not g.t.is_alive(1)
+
+
+def test_long_transfer_is_not_taken_for_silence() -> None:
+    """A response that takes ~3x the heartbeat timeout to arrive (a slow link, inline:
+    shared memory off) keeps its sender alive, byte by byte."""
+    with group(1, heartbeat_interval=0.1, heartbeat_timeout=0.4, shm_threshold=0, child_extra={"slow_send": True}) as g:
+        assert g.joined == [{"event": "ready"}]
+        t0 = time.monotonic()
+        meta, frames, err = g.call(1, BIG, {"n": 12 << 20}, [], timeout=30)
+        took = time.monotonic() - t0
+        assert err is None and bytes(frames[0]) == pattern(12 << 20)
+        assert took > 3 * 0.4, f"the transfer was not slow enough to test anything ({took:.2f}s)"
+        assert g.t.is_alive(1) and g.dead.empty()
+
+
+@pytest.mark.parametrize("ours,theirs", [("s3cret", "other"), ("s3cret", None), (None, "s3cret")])
+def test_wrong_secret_is_refused(ours: str | None, theirs: str | None) -> None:
+    with group(1, secret=ours, child_secret=theirs) as g:
+        assert isinstance(g.join_error, AuthenticationFailed), g.join_error
+        assert g.join_error.peers == ["w1"]
+        assert g.joined[0]["event"] == "error"
+        assert g.joined[0]["type"] == "AuthenticationFailed", g.joined[0]  # the acceptor says so too
+        assert g.messages.empty()
+
+
+def test_same_secret_is_admitted() -> None:
+    with group(1, secret="s3cret") as g:
+        assert g.join_error is None
+        assert g.call(1, ECHO, 1, [])[0] == 1
+
+
+def _listening(messages: queue.Queue) -> UnixTransport:
+    """A transport during its join window (listening, group known, peer 1 not yet in)."""
+    t = UnixTransport(TransportConfig(5, "w5", 7, kind="unix"), lambda *a: messages.put(a), lambda p, c: None)
+    t.listen()
+    t.start()
+    stranger = PeerSpec(1, "w1", 8, PeerAddress("h", {"unix": "/nonexistent"}))
+    threading.Thread(target=lambda: _join_quietly(t, stranger), daemon=True).start()
+    return t
+
+
+def _join_quietly(t: UnixTransport, spec: PeerSpec) -> None:
+    try:
+        t.connect_peers([spec], 5.0)
+    except Exception:  # noqa: BLE001 - nobody joins: expected
+        pass
+
+
+def test_stranger_is_refused_before_anything_is_decoded() -> None:
+    messages: queue.Queue = queue.Queue()
+    t = _listening(messages)
+    try:
+        path = t._listener.getsockname()
+        for junk in (b"RRU1" + b"\x00" * 44 + b"\x93\x01\x10\x00" * 100,  # id 0: not in the group
+                     b"GET / HTTP/1.1\r\n" * 20):                        # not a peer at all
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(junk)
+            try:
+                assert s.recv(100) == b"", "the stranger is cut off"
+            except ConnectionResetError:
+                pass  # cut off with unread bytes in its queue: a reset
+            s.close()
+        poll_for(lambda: t.stats["unix_refused"] >= 2, 5, "both strangers are refused")
+        assert messages.empty() and t.stats["messages_received"] == 0
+    finally:
+        t.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_other_uid_cannot_even_connect() -> None:
+    """The socket lives in a 0700 directory: another uid gets EACCES at connect (its
+    SO_PEERCRED check is the second line and cannot be reached from here)."""
+    t = _listening(queue.Queue())
+    try:
+        path = t._listener.getsockname()
+        code = f"import socket; s=socket.socket(socket.AF_UNIX); s.connect({path!r})"
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+        res = subprocess.run([python, "-c", code], user=65534, capture_output=True, text=True, timeout=20)
+        assert res.returncode != 0 and "PermissionError" in res.stderr, res.stderr
+        assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    finally:
+        t.close()
+
+
+def test_close_never_hangs_with_a_stopped_peer_and_a_blocked_sender() -> None:
+    with group(1, shm_threshold=0, heartbeat_timeout=30.0) as g:
+        g.children[0].kill(signal.SIGSTOP)
+        outcome: queue.Queue = queue.Queue()
+
+        def blocked() -> None:
+            try:
+                g.t.request(1, ECHO, None, [pattern(64 << 20)], 60.0, lambda m, f, e: outcome.put(e))
+            except AgentClosed as e:
+                outcome.put(e)
+
+        th = threading.Thread(target=blocked, daemon=True)
+        th.start()
+        time.sleep(0.3)  # the sender fills the socket and blocks
+        t0 = time.monotonic()
+        g.t.close(2.0)
+        assert time.monotonic() - t0 < 3.0
+        th.join(3)
+        assert not th.is_alive()
+        assert isinstance(outcome.get(timeout=3), AgentClosed)
+        g.children[0].kill(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("same_host", ["1", "0"])
+def test_auto_uses_the_unix_path_on_one_host_unless_turned_off(same_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RREFRT_SAME_HOST", same_host)
+    env = {"RREFRT_SAME_HOST": same_host}
+    with group(1, kind="auto", auto_inner="zmq", shm_threshold=256 << 10, child_env=env) as g:
+        assert g.join_error is None and g.joined == [{"event": "ready"}]
+        big = pattern(2 << 20)
+        meta, frames, err = g.call(1, ECHO, "m", [b"x", big])
+        assert err is None and meta == "m" and bytes(frames[1]) == big
+        assert g.t.uses_same_host_path(1) is (same_host == "1")
+        assert (g.t.stats["shm_frames_sent"] == 1) is (same_host == "1")
+        errors: queue.Queue = queue.Queue()
+        sent = g.t.stats.get("messages_sent", 0)
+        g.t.request(1, IGNORE, None, [], 60.0, lambda m, f, e: errors.put(e))
+        poll_for(lambda: g.t.stats.get("messages_sent", 0) > sent, 5, "the request left")  # pending, on the wire
+        t0 = time.monotonic()
+        g.children[0].kill()
+        assert isinstance(errors.get(timeout=10), PeerUnavailable)
+        if same_host == "1":
+            assert time.monotonic() - t0 < 1.0, "the unix transport sees the death by EOF"
+        assert g.dead.get(timeout=10)[0] == 1 and not g.t.is_alive(1)
+
+
+def test_fault_hook_drops_delays_and_duplicates_by_label() -> None:
+    """NOTE [Fault injection] semantics: [] drops (the request still fails at its deadline),
+    [d] delays, [0, 0] duplicates (the duplicate answer is a late response, dropped)."""
+    with group(1) as g:
+        g.t.fault_hook = lambda dest, label: {"drop": [], "slow": [0.4], "dup": [0, 0]}.get(label, [0])
+        got: queue.Queue = queue.Queue()
+        g.t.request(1, ECHO, "d", [b"x"], 0.5, lambda m, f, e: got.put(e), label="drop")
+        assert isinstance(got.get(timeout=5), RequestTimeout)
+        t0 = time.monotonic()
+        g.t.request(1, ECHO, "s", [b"x"], 5.0, lambda m, f, e: got.put((m, e)), label="slow")
+        assert got.get(timeout=5) == ("s", None) and time.monotonic() - t0 >= 0.4
+        g.t.request(1, ECHO, "2", [b"x"], 5.0, lambda m, f, e: got.put((m, e)), label="dup")
+        assert got.get(timeout=5) == ("2", None)
+        poll_for(lambda: g.t.stats["late_responses_dropped"] >= 1, 5, "the duplicate's answer arrives late")
+        assert got.empty()
+
+
+def test_socket_file_is_gone_after_the_join() -> None:
+    """Once every peer is in, the socket file and its directory are removed: a worker
+    SIGKILLed later leaves nothing in the file system, and nobody can connect any more."""
+    with group(1) as g:
+        path = g.t._listener.getsockname()
+        assert not os.path.exists(path) and not os.path.exists(os.path.dirname(path))
+        child_path = g.children[0].hello["address"]["endpoints"]["unix"]
+        poll_for(lambda: not os.path.exists(os.path.dirname(child_path)), 5, "the child's directory is removed")
+        g.children[0].kill()
+        assert g.call(1, ECHO, 1, [])[2] is not None
+        assert not os.path.exists(os.path.dirname(child_path))
+
+
+def test_a_killed_workers_socket_directory_is_removed_by_the_next_start(tmp_path):
+    """Issue 11 item 10 for the same-host socket: a worker killed during its join leaves its
+    0700 directory behind; the next transport started on the host removes those whose
+    process is gone (named rrefrt-<pid>-<hex>, like the zmq transport's ipc directories)."""
+    import subprocess
+    import sys
+
+    from rrefrt_transport.base import TransportConfig
+    from rrefrt_transport.unix.transport import UnixTransport
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True, timeout=30)
+    stale = tmp_path / f"rrefrt-{int(dead.stdout)}-0badcafe"
+    stale.mkdir(mode=0o700)
+    (stale / "w1.sock").write_text("")
+    t = UnixTransport(TransportConfig(0, "w0", 1, extra={"unix_dir": str(tmp_path)}), lambda *a: None, lambda *a: None)
+    try:
+        t.listen()
+        assert not stale.exists()
+        mine = [p.name for p in tmp_path.iterdir()]
+        assert len(mine) == 1 and mine[0].startswith(f"rrefrt-{os.getpid()}-"), mine
+    finally:
+        t.close(1.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_framing_fast_paths_round_trip_at_their_boundaries() -> None:
+    """encode/Reader's one-frame fast paths (a small frame joined into the first buffer, a
+    larger one as its own buffer, no frame at all) cut back into the same messages as the
+    general path, whole or fed byte by byte, and mixed with multi-frame messages."""
+    from rrefrt_transport.unix import wire as unix_wire
+    from rrefrt_transport import wire
+
+    cases = [(wire.RESPONSE, 7, [0, []], []), (16, 8, [[]], [b""]), (16, 9, [[]], [b"a" * unix_wire.SMALL_FRAME]),
+             (16, 10, [[]], [b"b" * (unix_wire.SMALL_FRAME + 1)]), (16, 11, [[]], [bytearray(b"c" * 70_000)]),
+             (16, 12, [[], [[[1, 2], [3, 4]]]], [b"s", b"t" * 5000, b""])]
+    stream = b"".join(bytes(b) for k, i, m, fr in cases for b in unix_wire.encode(k, i, m, fr))
+    for chunk in (len(stream), 1, 4093):
+        r = unix_wire.Reader(1 << 20)
+        got: list = []
+        pos = 0
+        while pos < len(stream):
+            target = r.target()
+            n = min(len(target), chunk, len(stream) - pos)
+            target[:n] = stream[pos : pos + n]
+            pos += n
+            r.filled(n, got)
+        assert [(wire.decode_header(m.header), [bytes(f) for f in m.frames]) for m in got] == [
+            ((k, i, m), [bytes(f) for f in fr]) for k, i, m, fr in cases
+        ]
+
+
+def _pair(on1: Any, **extra: Any) -> tuple[UnixTransport, UnixTransport]:
+    """Two same-host transports in this process, joined over a real AF_UNIX socket."""
+    t0 = UnixTransport(TransportConfig(0, "w0", 70, kind="unix", extra=extra), lambda *a: None, lambda p, c: None)
+    t1 = UnixTransport(TransportConfig(1, "w1", 71, kind="unix", extra=extra), on1, lambda p, c: None)
+    specs = [PeerSpec(0, "w0", 70, t0.listen()), PeerSpec(1, "w1", 71, t1.listen())]
+    t0.start()
+    t1.start()
+    th = threading.Thread(target=t1.connect_peers, args=(specs, 20.0), daemon=True)
+    th.start()
+    t0.connect_peers(specs, 20.0)
+    th.join(20)
+    return t0, t1
+
+
+def test_direct_writes_from_many_threads_stay_whole_and_in_order_through_a_full_socket() -> None:
+    """The send fast path (lock free, nothing queued: write at once) against the queue: four
+    threads interleave small and large messages while the receiver holds its thread, so the
+    socket fills, writers block and others queue behind them; every message arrives whole and
+    in each thread's order, and the receiver thread's answers (never blocking) arrive too."""
+    got: list = []
+    hold = threading.Event()
+    t1: Any = None
+
+    def on1(src: int, kind: int, msg_id: int, meta: Any, frames: list) -> None:
+        hold.wait(30)  # the first message holds the receiver: the socket fills up
+        got.append((meta, bytes(frames[0]) if frames else b""))
+        if meta[1] % 50 == 0:  # answers from the receiver thread: direct or EVENT_WRITE
+            t1.send(0, 17, meta, [bytes(5 << 20)])
+
+    t0, t1 = _pair(on1, shm_threshold=0)
+    answers: queue.Queue = queue.Queue()
+    hold0 = threading.Event()  # this side's receiver holds too: the answers fill its socket
+
+    def on0(src: int, kind: int, msg_id: int, meta: Any, frames: list) -> None:
+        hold0.wait(30)
+        answers.put(meta)
+
+    t0._on_message = on0
+    try:
+        n_threads, per = 4, 150
+
+        def payload(t: int, i: int) -> bytes:
+            size = (5 << 20) if i % 30 == 7 else (1 << 20) if i % 7 == 0 else (10 + i)
+            return bytes([t * 16 + i % 16]) * size
+
+        def worker(t: int) -> None:
+            for i in range(per):
+                t0.send(1, 16, [t, i], [payload(t, i)])
+
+        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(n_threads)]
+        for th in threads:
+            th.start()
+        poll_for(lambda: t0._peers[1].outq or t0._peers[1].cur is not None, 20, "a sender finds the socket full")
+        hold.set()
+        for th in threads:
+            th.join(30)
+            assert not th.is_alive()
+        hold0.set()
+        poll_for(lambda: len(got) == n_threads * per, 30, "every message arrives")
+        for t in range(n_threads):
+            mine = [(m[1], f) for m, f in got if m[0] == t]
+            assert [i for i, _ in mine] == list(range(per)), f"thread {t}'s messages out of order"
+            assert all(f == payload(t, i) for i, f in mine), f"thread {t}'s payload damaged"
+        want = sorted([t, i] for t in range(n_threads) for i in range(0, per, 50))
+        assert sorted(answers.get(timeout=20) for _ in want) == want
+        assert t0.stats["messages_sent"] == n_threads * per and t1.stats["messages_received"] == n_threads * per
+    finally:
+        hold.set()
+        hold0.set()
+        t0.close()
+        t1.close()

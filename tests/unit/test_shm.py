@@ -1,0 +1,127 @@
+"""Shared-memory segments (transport/unix/shm.py): the pool, aliasing frames and their release,
+and no leak when a peer is SIGKILLed mid-transfer (real processes, real sockets)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import threading
+import time
+
+import pytest
+
+from tests.support import poll_for
+from tests.transport_helpers.unix_peer import BIG, ECHO, HOLD, pattern
+from tests.support.unix_support import group
+from rrefrt_transport.unix import shm
+
+
+def _dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_pool_lends_reuses_and_caps_idle_bytes() -> None:
+    pool = shm.SegmentPool("t", max_idle_bytes=3 << 20)
+    try:
+        a = pool.acquire(100, peer=1)
+        assert a.size == shm.MIN_SEGMENT and a.lent_to == 1
+        a.known_by.add(1)
+        assert pool.release(a.id, peer=2) == [], "only the borrower returns a segment"
+        assert pool.release(a.id, peer=1) == []
+        b = pool.acquire(shm.MIN_SEGMENT, peer=2)
+        assert b is a, "an idle segment is reused"
+        c = pool.acquire(3 << 20, peer=2)  # 4 MB class
+        c.known_by.update({1, 2})
+        pool.release(b.id, 2)
+        assert sorted(pool.release(c.id, 2)) == [(1, c.id), (2, c.id)], "over the cap: closed, its holders told"
+        assert pool.count() == 1 and pool.lent() == 0
+        d = pool.acquire(10, peer=3)
+        assert pool.peer_gone(3) == [] and pool.lent() == 0 and d.lent_to is None
+    finally:
+        pool.close()
+    assert shm.count_memfds() == 0
+
+
+def test_received_frames_alias_the_segment_and_release_when_dropped() -> None:
+    pool = shm.SegmentPool("t")
+    released = threading.Event()
+    try:
+        sizes = [5000, 1 << 20]
+        seg = pool.acquire(shm.layout(sizes)[1], peer=1)
+        offsets, _ = shm.layout(sizes)
+        seg.map[offsets[1] : offsets[1] + 3] = b"abc"
+        mapping = shm.map_segment(seg.fd)
+        frames = shm.frames_of(mapping, sizes, released.set)
+        assert [len(f) for f in frames] == sizes and bytes(frames[1][:3]) == b"abc"
+        seg.map[offsets[1] : offsets[1] + 3] = b"xyz"
+        assert bytes(frames[1][:3]) == b"xyz", "the frame aliases the segment: no copy"
+        view = memoryview(frames[1])[1:2]  # a derived view keeps the mapping alive
+        del frames
+        gc.collect()
+        assert not released.is_set()
+        del view
+        assert released.wait(2)
+        copied = threading.Event()
+        out = shm.frames_of(mapping, sizes, copied.set, copy_out=True)
+        assert copied.is_set() and isinstance(out[1], bytes) and out[1][:3] == b"xyz"
+        shm.unmap(mapping)
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(90)
+def test_no_segment_outlives_a_peer_sigkilled_mid_transfer() -> None:
+    dev_shm = _dev_shm()
+    base = shm.count_memfds()
+    with group(1, shm_threshold=256 << 10) as g:
+        # segments we received from the peer and still hold, and ones it holds from us
+        held = [g.call(1, BIG, {"n": 2 << 20}, [])[1] for _ in range(2)]
+        for _ in range(2):
+            assert g.call(1, HOLD, None, [pattern(1 << 20)])[2] is None
+        child = g.children[0]
+        child.tell({"cmd": "stats"})
+        st = child.expect("stats", 10)
+        assert st["held"] == 2 and st["memfds"] >= 2
+        # now keep 16 MB frames flowing from two threads and SIGKILL the peer mid-way
+        stop = threading.Event()
+        errors: queue.Queue = queue.Queue()
+        frame = pattern(16 << 20)
+
+        def pump() -> None:
+            while not stop.is_set():
+                try:
+                    g.t.request(1, ECHO, None, [frame], 10.0, lambda m, f, e: errors.put(e))
+                except Exception as e:  # noqa: BLE001 - recorded and checked below
+                    errors.put(e)
+                    return
+
+        threads = [threading.Thread(target=pump, daemon=True) for _ in range(2)]
+        for th in threads:
+            th.start()
+        poll_for(lambda: g.t.stats["shm_frames_sent"] >= 6, 20, "large frames are flowing")
+        child.kill()
+        poll_for(lambda: not g.t.is_alive(1), 2, "the killed peer is declared dead")
+        stop.set()
+        for th in threads:
+            th.join(5)
+        assert g.t.shm_segments()[1] == 0, "every segment lent to the dead peer is back"
+        fds_before_release = shm.count_memfds()
+        del held
+        gc.collect()
+        own = g.t.shm_segments()[0]
+        # left: our own pooled segments (fd + the pool's mapping each), nothing of the peer's
+        poll_for(lambda: shm.count_memfds() == base + 2 * own, 5,
+                 lambda: f"memfds {shm.count_memfds()} (before release {fds_before_release}), own segments {own}")
+    assert shm.count_memfds() == base, "closing the transport closes every segment"
+    assert _dev_shm() == dev_shm, "nothing is ever created in /dev/shm"
+
+
+def test_segments_of_a_response_return_when_the_caller_drops_them() -> None:
+    with group(1, shm_threshold=256 << 10) as g:
+        got: queue.Queue = queue.Queue()
+        g.t.request(1, BIG, {"n": 1 << 20}, [], 10.0, lambda m, f, e: got.put(e))
+        assert got.get(timeout=10) is None
+        child = g.children[0]
+        poll_for(lambda: (child.tell({"cmd": "stats"}) or child.expect("stats", 5))["segments"][1] == 0, 5,
+                 "the child's segment came back after we dropped the frame")

@@ -1,0 +1,244 @@
+"""Admission of same-host connections: peer credentials and the HMAC challenge-response.
+
+Owns: both ends of the handshake in ``unix_wire`` - the connector's (blocking, on the thread
+that joins) and the acceptor's (a non-blocking state machine fed by the receiver thread) -
+and the host key that says whether two workers share a host. Imports only the standard
+library and ``unix_wire``. Nothing a connection sends is decoded here beyond the fixed
+binary records of the handshake, and nothing is handed on before the connection passed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rrefrt_transport.unix import wire as uw
+from rrefrt_transport.base import PeerSpec
+from rrefrt_transport.errors import AuthenticationFailed, TransportError
+
+log = logging.getLogger("rrefrt.transport")
+
+ADMIT_TIMEOUT = 10.0  #: an accepted connection that has not passed by then is closed
+#: a peer whose connection failed the challenge fails the join if it is still missing this
+#: long after (a stray connection claiming its id cannot abort a join that completes)
+ACCEPT_GRACE = 2.0
+_CRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def host_key() -> str:
+    """Same value <=> a unix socket path of one worker can be reached by the other: same
+    kernel boot, same mount namespace, same uid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        mnt = os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        mnt = 0
+    return f"{boot}/{mnt}/{os.getuid()}"
+
+
+def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, from the kernel (SO_PEERCRED)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("closed by the peer")
+        buf += chunk
+    return buf
+
+
+def connect_and_admit(
+    spec: PeerSpec, my_id: int, my_inc: int, secret: bytes | None, timeout: float
+) -> socket.socket:
+    """Connect to ``spec``'s unix endpoint and pass its admission; return the socket."""
+    path = spec.address.endpoints.get("unix")
+    if not path:
+        raise TransportError(f"worker {spec.name!r} published no same-host (unix) endpoint")
+    deadline = time.monotonic() + timeout
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    stage = "connect"
+    try:
+        s.settimeout(max(0.001, timeout))
+        s.connect(path)
+        _, uid, _ = peer_cred(s)
+        if uid != os.getuid():
+            raise AuthenticationFailed(
+                f"the same-host socket of worker {spec.name!r} ({path}) belongs to uid {uid}, not ours ({os.getuid()})",
+                [spec.name],
+            )
+        rec, nonce_c = uw.hello(my_id, my_inc)
+        s.sendall(rec)
+        stage = "welcome"
+        raw = _recv_exact(s, uw.WELCOME_LEN, deadline)
+        wid, inc, nonce_s = uw.parse_id(raw)
+        if wid != spec.id or inc != spec.incarnation:
+            raise TransportError(
+                f"the same-host socket {path} answered as worker id {wid} (incarnation {inc}), "
+                f"not as {spec.name!r} (id {spec.id}, incarnation {spec.incarnation})"
+            )
+        ids = ((my_id, my_inc), (spec.id, spec.incarnation))
+        if not hmac.compare_digest(raw[uw.HELLO_LEN :], uw.mac(secret, "acceptor", nonce_c, nonce_s, *ids)):
+            raise AuthenticationFailed(
+                f"worker {spec.name!r} failed the same-host challenge (it holds a different job secret, "
+                "or only one side has one): start every worker with the same RREFRT_SECRET",
+                [spec.name],
+            )
+        s.sendall(uw.mac(secret, "connector", nonce_c, nonce_s, *ids))
+        stage = "admit"
+        if _recv_exact(s, len(uw.ADMIT), deadline) != uw.ADMIT:
+            raise uw.ProtocolError("bad admission answer")
+        s.settimeout(None)
+        return s
+    except (AuthenticationFailed, TransportError):
+        s.close()
+        raise
+    except (OSError, uw.ProtocolError, struct.error) as e:
+        s.close()
+        if stage == "admit":
+            raise AuthenticationFailed(
+                f"worker {spec.name!r} refused our same-host proof (a different job secret?): {e}", [spec.name]
+            ) from None
+        raise TransportError(
+            f"could not join worker {spec.name!r} over its same-host socket {path} ({stage}): {e or type(e).__name__}"
+        ) from None
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    since: float
+    buf: bytes = b""
+    stage: str = "hello"
+    peer: PeerSpec | None = None
+    nonce_c: bytes = b""
+    nonce_s: bytes = b""
+
+
+@dataclass
+class Acceptor:
+    """The acceptor's side of admission, run by the receiver thread only."""
+
+    my_id: int
+    my_inc: int
+    secret: bytes | None
+    stats: Any
+    group: dict[int, PeerSpec] | None = None
+    conns: dict[int, _Conn] = field(default_factory=dict)  #: fd -> connection in admission
+    admitted: set[int] = field(default_factory=set)
+    #: peer id -> when a connection claiming it first failed the challenge (read by the join)
+    failed: dict[int, float] = field(default_factory=dict)
+
+    def set_group(self, group: dict[int, PeerSpec]) -> None:
+        self.group = group
+
+    def accept(self, listener: socket.socket) -> list[socket.socket]:
+        """Accept waiting connections whose uid is ours; return them (to be watched)."""
+        out = []
+        while True:
+            try:
+                s, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError as e:
+                log.warning("accept failed on a same-host socket: %s", e)
+                return out
+            _, uid, _ = peer_cred(s)
+            if uid != os.getuid():
+                self._refuse(s, f"uid {uid} is not ours")
+                continue
+            s.setblocking(False)
+            self.conns[s.fileno()] = _Conn(s, time.monotonic())
+            out.append(s)
+
+    def _refuse(self, s: socket.socket, why: str, close: bool = True) -> None:
+        self.stats["unix_refused"] += 1
+        n = self.stats["unix_refused"]
+        if n & (n - 1) == 0:
+            log.warning("worker id %d refused a same-host connection: %s (%d refused so far)", self.my_id, why, n)
+        if close:
+            s.close()
+
+    def feed(self, fd: int) -> tuple[str, Any]:
+        """Read what ``fd`` sent and advance its admission. Returns ("wait", None),
+        ("refused", sock) - stop watching it and close it - or ("admitted", (peer id, sock))."""
+        c = self.conns.get(fd)
+        if c is None:
+            return "wait", None
+        try:
+            data = c.sock.recv(256)
+        except (BlockingIOError, InterruptedError):
+            data = None
+        except OSError:
+            data = b""
+        if data == b"":
+            return self._drop(c, "closed during admission")
+        if data:
+            c.buf += data
+            if len(c.buf) > uw.HELLO_LEN + uw.PROOF_LEN:
+                return self._drop(c, "it sent more than the handshake before it was admitted")
+        return self.advance(c)
+
+    def advance(self, c: _Conn) -> tuple[str, Any]:
+        if c.stage == "hello":
+            if len(c.buf) < uw.HELLO_LEN or self.group is None:
+                return "wait", None
+            try:
+                wid, inc, c.nonce_c = uw.parse_id(c.buf[: uw.HELLO_LEN])
+            except uw.ProtocolError as e:
+                return self._drop(c, str(e))
+            spec = self.group.get(wid)
+            if spec is None or wid >= self.my_id or inc != spec.incarnation or wid in self.admitted:
+                return self._drop(c, f"it claims worker id {wid} (incarnation {inc}), which may not connect here")
+            c.peer, c.buf, c.stage = spec, c.buf[uw.HELLO_LEN :], "proof"
+            c.nonce_s = secrets.token_bytes(32)
+            ids = ((wid, inc), (self.my_id, self.my_inc))
+            try:
+                c.sock.send(uw.welcome(self.my_id, self.my_inc, c.nonce_s, uw.mac(self.secret, "acceptor", c.nonce_c, c.nonce_s, *ids)))
+            except OSError as e:
+                return self._drop(c, f"send failed: {e}")
+        if c.stage == "proof" and len(c.buf) >= uw.PROOF_LEN:
+            assert c.peer is not None
+            ids = ((c.peer.id, c.peer.incarnation), (self.my_id, self.my_inc))
+            if not hmac.compare_digest(c.buf[: uw.PROOF_LEN], uw.mac(self.secret, "connector", c.nonce_c, c.nonce_s, *ids)):
+                self.stats["handshake_failures"] += 1
+                self.failed.setdefault(c.peer.id, time.monotonic())
+                return self._drop(c, f"worker {c.peer.name!r} failed the challenge (a different job secret?)")
+            if len(c.buf) > uw.PROOF_LEN:
+                return self._drop(c, "it sent before it was admitted")
+            try:
+                c.sock.send(uw.ADMIT)
+            except OSError as e:
+                return self._drop(c, f"send failed: {e}")
+            del self.conns[c.sock.fileno()]
+            self.admitted.add(c.peer.id)
+            return "admitted", (c.peer.id, c.sock)
+        return "wait", None
+
+    def _drop(self, c: _Conn, why: str) -> tuple[str, Any]:
+        if c.stage == "proof" and c.peer is not None:  # it saw our answer and hung up: it refused us
+            self.failed.setdefault(c.peer.id, time.monotonic())
+        self.conns.pop(c.sock.fileno(), None)
+        self._refuse(c.sock, why, close=False)
+        return "refused", c.sock  # the receiver thread stops watching it, then closes it
+
+    def expire(self, now: float) -> list[tuple[str, Any]]:
+        return [self._drop(c, "admission timed out") for c in list(self.conns.values()) if now - c.since > ADMIT_TIMEOUT]

@@ -1,0 +1,247 @@
+"""How messages are laid out on a same-host AF_UNIX stream, and how a connection is admitted.
+
+Owns: the admission handshake (fixed binary records, never msgpack: nothing a peer sends is
+decoded before it is admitted), the framing of a message on the stream, and the
+incremental reader that cuts the stream back into messages. Imports only the standard
+library and ``rrefrt_transport.wire`` (the header inside a message is ``wire.encode_header``'s).
+
+Admission (NOTE [Same-host admission] in docs/same-host.md), connector C, acceptor A::
+
+    C -> A  HELLO    magic "RRU1" | id u32 | incarnation u64 | nonce_c 32 bytes
+    A -> C  WELCOME  magic "RRU1" | id u32 | incarnation u64 | nonce_s 32 | mac_a 32
+    C -> A  PROOF    mac_c 32
+    A -> C  ADMIT    b"OK!!"
+
+    mac_x = HMAC-SHA256(secret, label_x | nonce_c | nonce_s | id_c | inc_c | id_a | inc_a)
+    with label "rrefrt-unix-acceptor" / "rrefrt-unix-connector" (secret b"" when none).
+
+Both sides also check SO_PEERCRED (the peer's uid must be ours) before reading a byte.
+
+A message on the stream (little endian)::
+
+    u32 header_len | u16 n_frames | u8 flags | u8 pad
+    n_frames x u64  frame length; bit 63 set = the frame is in shared memory
+    if flags & SHM:  u32 segment id | u8 fd attached | 3 pad
+    header (header_len bytes: wire.encode_header's msgpack array)
+    the inline frames, in order
+
+Frames in shared memory are laid out by ``shm.layout`` in the named segment; the fd of a
+segment rides (SCM_RIGHTS) on the first message that uses it on this connection.
+
+Transport kinds of this transport beside wire's HELLO/HELLO_ACK/PING/RESPONSE (1-4):
+
+    kind             meta                    meaning
+    SHM_RELEASE (8)  [segment id, ...]       the receiver dropped every frame of these
+                                             segments: they go back to the sender's pool
+    SHM_FORGET (9)   [segment id, ...]       the sender closed these segments: drop their fds
+    BYE (10)         None                    orderly close: the peer is going away
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rrefrt_transport import wire
+
+SHM_RELEASE, SHM_FORGET, BYE = 8, 9, 10
+
+MAGIC = b"RRU1"
+_ID = struct.Struct("<4sIQ32s")  # magic, id, incarnation, nonce
+HELLO_LEN = _ID.size
+WELCOME_LEN = _ID.size + 32
+PROOF_LEN = 32
+ADMIT = b"OK!!"
+
+_PREFIX = struct.Struct("<IHBx")
+_SHMDESC = struct.Struct("<IB3x")
+_LEN = struct.Struct("<Q")
+_PREFIX_1 = struct.Struct("<IHBxQ")  #: the prefix and table of a message with one frame
+#: a frame of at most this many bytes is copied into the message's first buffer by encode
+SMALL_FRAME = 4096
+FLAG_SHM = 1
+SHM_BIT = 1 << 63
+
+
+class ProtocolError(ValueError):
+    """An admitted peer broke the framing: its connection is closed and it is declared dead."""
+
+
+# ------------------------------------------------------------------ admission
+def hello(my_id: int, my_inc: int) -> tuple[bytes, bytes]:
+    nonce = secrets.token_bytes(32)
+    return _ID.pack(MAGIC, my_id, my_inc, nonce), nonce
+
+
+def parse_id(raw: bytes) -> tuple[int, int, bytes]:
+    """(id, incarnation, nonce) of a HELLO or of the start of a WELCOME."""
+    magic, wid, inc, nonce = _ID.unpack(raw[: _ID.size])
+    if magic != MAGIC:
+        raise ProtocolError("not an rrefrt same-host peer")
+    return wid, inc, nonce
+
+
+def mac(secret: bytes | None, role: str, nonce_c: bytes, nonce_s: bytes, c: tuple[int, int], a: tuple[int, int]) -> bytes:
+    label = b"rrefrt-unix-acceptor" if role == "acceptor" else b"rrefrt-unix-connector"
+    msg = label + nonce_c + nonce_s + struct.pack("<IQIQ", c[0], c[1], a[0], a[1])
+    return hmac.new(secret or b"", msg, hashlib.sha256).digest()
+
+
+def welcome(my_id: int, my_inc: int, nonce_s: bytes, mac_a: bytes) -> bytes:
+    return _ID.pack(MAGIC, my_id, my_inc, nonce_s) + mac_a
+
+
+# ------------------------------------------------------------------ framing
+def encode(
+    kind: int, msg_id: int, meta: Any, frames: Sequence[Any], shm: tuple[int, bool, Sequence[bool]] | None = None
+) -> list[Any]:
+    """The buffers of one message: [prefix+table+header, *inline frames]. ``frames`` are
+    byte views; with ``shm`` = (segment id, fd attached, in-segment flag per frame) the
+    flagged frames are not sent (the caller copied them into the segment) but keep their
+    place in the table, so the receiver rebuilds the frames in their original order."""
+    header = wire.encode_header(kind, msg_id, meta)
+    if shm is None and len(frames) <= 1:  # fast path: a call or answer, a control message
+        if not frames:
+            return [_PREFIX.pack(len(header), 0, 0) + header]
+        f = frames[0]
+        n = len(f)
+        head = _PREFIX_1.pack(len(header), 1, 0, n)
+        if n <= SMALL_FRAME:  # one buffer: one iovec for sendmsg, one copy of a few bytes
+            return [b"".join((head, header, f))]
+        return [head + header, f]
+    flags = shm[2] if shm is not None else [False] * len(frames)
+    table = b"".join(_LEN.pack(len(f) | SHM_BIT if s else len(f)) for f, s in zip(frames, flags))
+    parts = [_PREFIX.pack(len(header), len(frames), FLAG_SHM if shm else 0), table]
+    if shm is not None:
+        parts.append(_SHMDESC.pack(shm[0], 1 if shm[1] else 0))
+    parts.append(header)
+    return [b"".join(parts), *(f for f, s in zip(frames, flags) if not s and len(f))]
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A message cut from the stream; the header is still undecoded."""
+
+    header: bytes
+    frames: list[Any]  #: every frame in order; None where the frame is in shared memory
+    shm_sizes: Sequence[int] = ()  #: sizes of those, in order
+    seg_id: int = 0
+    fd_attached: bool = False
+
+
+class Reader:
+    """Cuts a byte stream into ``Incoming`` messages. Small messages are parsed out of one
+    reusable buffer; a message with a large body gets its own bytearray that the socket
+    reads straight into (its frames alias it: no copy after the kernel's)."""
+
+    BUF = 1 << 18
+    BIG = 1 << 16
+
+    def __init__(self, max_body: int) -> None:
+        self.buf = bytearray(self.BUF)
+        self.view = memoryview(self.buf)
+        self.start = 0
+        self.end = 0
+        self.max_body = max_body
+        self.big: bytearray | None = None  #: body of a large message being filled
+        self.big_view: memoryview | None = None
+        self.big_fill = 0
+        self.big_meta: tuple | None = None
+
+    def target(self) -> memoryview:
+        """Where the next recv should write."""
+        if self.big_view is not None:
+            return self.big_view[self.big_fill :]
+        if self.end == len(self.buf):
+            n = self.end - self.start
+            self.buf[:n] = self.buf[self.start : self.end]
+            self.start, self.end = 0, n
+        return self.view[self.end :]
+
+    def filled(self, n: int, out: list[Incoming]) -> None:
+        """``n`` bytes were written at ``target()``; append complete messages to ``out``."""
+        if self.big_view is not None:
+            self.big_fill += n
+            if self.big_fill == len(self.big_view):
+                self._finish_big(out)
+            return
+        self.end += n
+        while self._parse_one(out):
+            pass
+
+    def _parse_one(self, out: list[Incoming]) -> bool:
+        avail = self.end - self.start
+        if avail < _PREFIX.size:
+            return False
+        s = self.start
+        hlen, nfr, flags, = _PREFIX.unpack_from(self.buf, s)
+        if hlen > wire.MAX_HEADER_BYTES or nfr > wire.MAX_FRAMES:
+            raise ProtocolError("message prefix out of bounds")
+        if nfr == 1 and not flags and avail >= _PREFIX_1.size:  # fast path: one inline frame, whole
+            n = _PREFIX_1.unpack_from(self.buf, s)[3]
+            b0 = s + _PREFIX_1.size
+            if not n & SHM_BIT and avail - _PREFIX_1.size >= hlen + n and hlen + n <= self.max_body:
+                view = self.view
+                f0 = b0 + hlen
+                # bytes, not views: the pickle stream is read through BytesIO, which shares bytes
+                out.append(Incoming(bytes(view[b0:f0]), [bytes(view[f0 : f0 + n])]))
+                self.start = f0 + n
+                return True
+        table = _PREFIX.size + 8 * nfr + (_SHMDESC.size if flags & FLAG_SHM else 0)
+        if table > len(self.buf):
+            raise ProtocolError("message table too large")
+        if avail < table:
+            return False
+        lens = [x[0] for x in _LEN.iter_unpack(self.buf[s + _PREFIX.size : s + _PREFIX.size + 8 * nfr])]
+        inline = [n if not n & SHM_BIT else -1 for n in lens]
+        shm_sizes = [n & ~SHM_BIT for n in lens if n & SHM_BIT]
+        seg_id, fd_att = 0, False
+        if flags & FLAG_SHM:
+            seg_id, att = _SHMDESC.unpack_from(self.buf, s + table - _SHMDESC.size)
+            fd_att = bool(att)
+        body = hlen + sum(n for n in inline if n > 0)
+        if body > self.max_body:
+            raise ProtocolError("message larger than the size limit")
+        meta = (hlen, inline, shm_sizes, seg_id, fd_att)
+        if avail - table >= body:
+            b0 = s + table
+            raw = bytes(self.view[b0 : b0 + body])
+            self.start = b0 + body
+            out.append(self._cut(raw, meta))
+            return True
+        if body + table <= len(self.buf) - s or body < self.BIG:
+            if s > 0 and table + body > len(self.buf) - s:  # make room by compacting
+                n = self.end - s
+                self.buf[:n] = self.buf[s : self.end]
+                self.start, self.end = 0, n
+            return False
+        big = bytearray(body)
+        have = avail - table
+        big[:have] = self.view[s + table : self.end]
+        self.start = self.end = 0
+        self.big, self.big_view, self.big_fill, self.big_meta = big, memoryview(big), have, meta
+        return False
+
+    def _finish_big(self, out: list[Incoming]) -> None:
+        big, meta = self.big_view, self.big_meta
+        self.big = self.big_view = self.big_meta = None
+        self.big_fill = 0
+        assert big is not None and meta is not None
+        out.append(self._cut(big, meta))
+
+    @staticmethod
+    def _cut(raw: Any, meta: tuple) -> Incoming:
+        hlen, inline, shm_sizes, seg_id, fd_att = meta
+        mv = memoryview(raw)
+        frames, pos = [], hlen
+        for n in inline:
+            if n < 0:
+                frames.append(None)
+            else:
+                frames.append(mv[pos : pos + n])
+                pos += n
+        return Incoming(bytes(mv[:hlen]), frames, shm_sizes, seg_id, fd_att)
