@@ -26,7 +26,7 @@ def test_join_leave_evict_and_refusals() -> None:
     workers = Workers()
     try:
         p = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "dynamic_worker.py"), "driver", "driver", "0", str(port)],
+            [sys.executable, str(ROOT / "tests" / "support" / "dynamic_worker.py"), "driver", "driver", "0", str(port)],
             env=env_for(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         workers.procs.append(p)

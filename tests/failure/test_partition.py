@@ -44,7 +44,7 @@ class _Proc:
 
     def __init__(self, ns: str, spec: dict) -> None:
         self.p = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, str(ROOT / "tests" / "worker_main.py"), json.dumps(spec)],
+            ["ip", "netns", "exec", ns, sys.executable, str(ROOT / "tests" / "support" / "worker_main.py"), json.dumps(spec)],
             env=env_for({"RREFRT_NO_IPC": "1"}),  # same host id in both namespaces: force TCP
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )

@@ -88,7 +88,7 @@ class Workers:
 
     def start(self, spec: dict[str, Any], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         p = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "worker_main.py"), json.dumps(spec)],
+            [sys.executable, str(ROOT / "tests" / "support" / "worker_main.py"), json.dumps(spec)],
             env=env_for(extra_env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
