@@ -24,7 +24,7 @@ from rrefrt.futures import Future
 from rrefrt.options import RpcBackendOptions, WorkerInfo
 from rrefrt.group.membership import MAX_RANKS, Membership, shutdown_dynamic
 from rrefrt.group.rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
-from rrefrt.runtime.lifecycle import shutdown_graceful
+from rrefrt.runtime.shutdown import shutdown_graceful
 from rrefrt.rref import RRef
 from rrefrt.runtime.root import Runtime
 

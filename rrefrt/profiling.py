@@ -130,9 +130,9 @@ def install() -> bool:
             log.debug("rrefrt cannot record RPC calls in torch's profiler (this torch lacks %s)", e)
             return False
 
-        def _start_trace(self: Any) -> Any:
-            _tls.config = (bool(getattr(self, "record_shapes", False)), bool(getattr(self, "profile_memory", False)))
-            return orig_start(self)
+        def _start_trace(prof: Any) -> Any:  # becomes torch's profile._start_trace
+            _tls.config = (bool(getattr(prof, "record_shapes", False)), bool(getattr(prof, "profile_memory", False)))
+            return orig_start(prof)
 
         def _parse_legacy_records(thread_records: Any) -> Any:
             return _merge(orig_parse(thread_records))

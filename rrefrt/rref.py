@@ -2,8 +2,8 @@
 UserRRef), and its proxies ``rref.rpc_sync().method(...)`` etc.
 
 Owns: the user-facing behaviour of a reference. The protocol state lives in the RRef
-context; an RRef object only points at its record. Imports from rrefrt: errors, state,
-rref_context, futures, functions, pool. The runtime is reached through ``state.current()``.
+context; an RRef object only points at its record. The runtime is reached through
+``state.current()`` and, for an object, through the ``RRefHost`` that made it.
 
 NOTE [Proxies]: ``rref.rpc_sync().m(...)`` runs ``_invoke_on_owner`` on the owner. It is
 itself an ``@async_execution`` function: an ``@async_execution`` method's Future is handed
@@ -25,7 +25,7 @@ import functools
 import os
 import time
 import weakref
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
 
 from rrefrt import state
 from rrefrt import hooks as _autograd
@@ -34,11 +34,36 @@ from rrefrt.functions import is_async_execution, is_future, wrong_return_type
 from rrefrt.profiling import active as profiling_active, profiled_call, profiling_future
 from rrefrt.futures import Future
 from rrefrt.pool import current_pool
-from rrefrt.protocol.context import READY, OwnerRecord, UserRecord
+from rrefrt.options import RpcBackendOptions, WorkerInfo
+from rrefrt.pool import WorkerPool
+from rrefrt.protocol.context import READY, OwnerRecord, RRefContext, UserRecord
+from rrefrt.protocol.ids import ForkId
 
-__all__ = ["RRef"]
+__all__ = ["RRef", "RRefHost"]
 
 T = TypeVar("T")
+
+
+class RRefHost(Protocol):
+    """The runtime an RRef object belongs to, as the object uses it (implemented by
+    rrefrt/runtime/root.py's ``Runtime``, which creates the objects; this module never
+    imports the runtime)."""
+
+    pid: int
+    info: WorkerInfo
+    options: RpcBackendOptions
+    ctx: RRefContext
+    closed: bool
+    callbacks: WorkerPool
+
+    def worker_info(self, to: Any = None) -> WorkerInfo: ...
+    def rpc_sync(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any: ...
+    def rpc_async(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Future[Any]: ...
+    def remote(self, to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> "RRef[Any]": ...
+    def fetch(self, rref: "RRef[Any]", timeout: float, waited: bool = False) -> Future[Any]: ...
+    def owner_value(self, rec: OwnerRecord, timeout: float) -> Any: ...
+    def enqueue_drop(self, fork_id: ForkId) -> None: ...
+    def register_users(self, recs: list[Any]) -> None: ...
 
 
 class RRef(Generic[T]):
@@ -48,7 +73,7 @@ class RRef(Generic[T]):
     __slots__ = ("_rt", "_owner_rec", "_user_rec", "_pid", "_type_fut", "_creation_fut", "_creation", "__weakref__")
 
     def __init__(self, value: T, type_hint: Any = None) -> None:
-        rt = state.current()
+        rt: RRefHost = state.current()
         self._rt = rt
         self._pid = rt.pid
         self._user_rec: UserRecord | None = None
@@ -57,14 +82,14 @@ class RRef(Generic[T]):
         self._creation_fut: Future[None] | None = None  #: _get_future(), cached
 
     @classmethod
-    def _from_owner(cls, rt: Any, rec: OwnerRecord) -> "RRef[Any]":
+    def _from_owner(cls, rt: RRefHost, rec: OwnerRecord) -> "RRef[Any]":
         self = cls.__new__(cls)
         self._rt, self._pid, self._owner_rec, self._user_rec = rt, rt.pid, rec, None
         self._type_fut = self._creation_fut = None
         return self
 
     @classmethod
-    def _from_user(cls, rt: Any, rec: UserRecord) -> "RRef[Any]":
+    def _from_user(cls, rt: RRefHost, rec: UserRecord) -> "RRef[Any]":
         self = cls.__new__(cls)
         self._rt, self._pid, self._owner_rec, self._user_rec = rt, rt.pid, None, rec
         self._type_fut = self._creation_fut = None
@@ -355,7 +380,7 @@ def wait_received_confirmed(rrefs: Sequence[RRef[Any]], deadline: float) -> bool
     ctx = rt.ctx
     lazy = [r for r in recs if not r.registered and r.fork_id != r.rref_id and r.error is None]
     if lazy and not rt.closed:
-        rt.control.perform(ctx.register_users(lazy))
+        rt.register_users(lazy)
     pool = current_pool()
     with pool.blocking() if pool is not None else contextlib.nullcontext():
         with ctx._changed:  # notified on every confirmation and failure

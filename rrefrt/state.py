@@ -19,15 +19,19 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from rrefrt.errors import ShutdownError
 
-_runtime: Any = None
+if TYPE_CHECKING:  # the types only: this leaf imports nothing above it at run time
+    from rrefrt.runtime.core import WorkerCore
+    from rrefrt.runtime.root import Runtime
+
+_runtime: "Runtime | None" = None
 _bound = threading.local()  #: .rt: the runtime this thread works for (NOTE [Runtime binding])
 
 
-def _here() -> Any:
+def _here() -> Runtime | None:
     rt = getattr(_bound, "rt", None)
     if rt is None or rt.closed or rt.pid != os.getpid():  # unbound, closed, or inherited
         return _runtime
@@ -35,7 +39,7 @@ def _here() -> Any:
 
 
 @contextlib.contextmanager
-def bound(rt: Any) -> Iterator[None]:
+def bound(rt: WorkerCore) -> Iterator[None]:
     """Run a block as a thread of ``rt`` (NOTE [Runtime binding])."""
     prev = getattr(_bound, "rt", None)
     _bound.rt = rt
@@ -45,7 +49,7 @@ def bound(rt: Any) -> Iterator[None]:
         _bound.rt = prev
 
 
-def current() -> Any:
+def current() -> Runtime:
     rt = _here()
     if rt is None:
         raise ShutdownError(NOT_RUNNING)
@@ -72,13 +76,13 @@ def inherited() -> bool:
     return rt is not None and rt.pid != os.getpid()
 
 
-def current_or_none() -> Any:
+def current_or_none() -> Runtime | None:
     rt = _here()
     if rt is None or rt.pid != os.getpid():
         return None
     return rt
 
 
-def set_current(rt: Any) -> None:
+def set_current(rt: Runtime | None) -> None:
     global _runtime
     _runtime = rt

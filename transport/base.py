@@ -151,6 +151,18 @@ class Transport(Protocol):
         """Run ``fn`` on the transport's thread after ``delay`` seconds (guarded like every callback)."""
         ...
 
+    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
+        """NOTE [Inline calls] (rrefrt_transport.unix.lead): run ``task`` on the transport
+        thread that read the message it serves, after the current loop iteration; False: not
+        taken (a transport without inline calls, or another thread), the caller runs it
+        elsewhere. ``fallback`` runs instead if the task cannot run there after all."""
+        ...
+
+    def hand_off(self) -> None:
+        """Called by a task run inline before it blocks: another thread takes the reading
+        role (a no-op where nothing runs inline)."""
+        ...
+
     def is_alive(self, peer_id: int) -> bool: ...
 
     def is_local(self, peer_id: int) -> bool:

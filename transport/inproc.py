@@ -204,6 +204,13 @@ class InprocTransport:
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
         self.hub.schedule(delay, lambda: None if self._stopped or self._closed else fn())
 
+    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
+        """No inline calls here: the caller runs ``task`` on a pool."""
+        return False
+
+    def hand_off(self) -> None:
+        """Nothing runs inline here: nothing to hand on."""
+
     def _post(self, dest: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any], label: str) -> None:
         meta, frames = _copy_meta(meta), [_copy_frame(f) for f in frames]
         delays = [0.0]

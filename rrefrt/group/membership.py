@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -59,6 +60,10 @@ from rrefrt.options import WorkerInfo
 from rrefrt.group.rendezvous import GroupSpec, Record, RendezvousError, torch_pg_initialized
 from rrefrt.group.store import PortInUseError, StoreAuthError, StoreClient, StoreError, StoreServer
 from rrefrt.group.torch_store import default_group_store, file_store
+
+
+if TYPE_CHECKING:
+    from rrefrt.runtime.root import Runtime
 
 log = logging.getLogger("rrefrt.group.membership")
 
@@ -140,7 +145,7 @@ class Membership:
         self._next = 1  #: the next event to read
         self._skipped: dict[int, float] = {}  #: event index -> when it was first found missing
         self._ended: set[tuple[int, int]] = set()  #: (rank, incarnation) we raced to end
-        self._rt: Any = None
+        self._rt: Runtime | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._store_lost = False
@@ -242,7 +247,7 @@ class Membership:
         infos = {n: dataclasses.replace(i, maps={p: m for p, m in i.maps.items() if p in infos}) for n, i in infos.items()}
         return DevicePlan.build(self.me.name, infos, is_local)
 
-    def connect(self, rt: Any, peers: list[Any], timeout: float) -> None:
+    def connect(self, rt: Runtime, peers: list[Any], timeout: float) -> None:
         """The joiner's mesh: register every member it read, follow the log, then wait
         (``timeout``) for the members; those that leave or are evicted meanwhile are dropped
         rather than waited for (the follower removes them), those that join meanwhile are
@@ -271,7 +276,7 @@ class Membership:
                     self._departed(rec, f"was evicted from the group ({cause})")
         rt.transport.add_peers([p for p in peers if p.id not in late], max(0.1, deadline - time.monotonic()))
 
-    def follow(self, rt: Any) -> None:
+    def follow(self, rt: Runtime) -> None:
         """Start following the log for ``rt`` (its members registered with its transport)."""
         self._rt = rt
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-{self.name}-membership", daemon=True)
@@ -405,7 +410,7 @@ class Membership:
             self.server = None
 
 
-def shutdown_dynamic(rt: Any, group: Membership, graceful: bool, limit: float) -> BaseException | None:
+def shutdown_dynamic(rt: Runtime, group: Membership, graceful: bool, limit: float) -> BaseException | None:
     """``shutdown()`` of a dynamic group's member: leave, with no group barrier (others stay).
     Graceful: finish calls in flight, delete this worker's RRef users (bounded until the
     owners acknowledge), then append ``leave``. RRefs this worker owns that members still
@@ -419,7 +424,7 @@ def shutdown_dynamic(rt: Any, group: Membership, graceful: bool, limit: float) -
         error: BaseException | None = None
         try:
             if graceful:
-                busy = not rt.wait_idle(deadline)
+                busy = not rt.lifecycle.wait_idle(deadline)
                 collect_fully(deadline)  # NOTE [Drops before a collection]
                 rt.control.sync(deadline)
                 rt.control.perform(rt.ctx.delete_all_users())

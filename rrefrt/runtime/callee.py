@@ -2,8 +2,8 @@
 
 Owns: the arrival of PYTHON_CALL and PYTHON_REMOTE (deduplication, hand-off to the user
 pool), the execution of user functions (plain, ``@async_execution``, ``async def`` on the
-event loop thread), replies and acknowledgements, and serving fetches (pickling a value).
-Imports from rrefrt: errors, messages, rref_context, serialization.
+event loop thread), their answers, and serving fetches (pickling a value). Answers leave
+through the replies (rrefrt/runtime/replies.py); payloads and forks are the payloads'.
 
 Threads: ``on_python_call`` / ``on_remote_request`` / ``on_fetch`` run on the transport
 thread and never unpickle; ``run_call`` runs on the user pool, or on the same-host
@@ -25,15 +25,20 @@ import threading
 import traceback
 from typing import Any, Callable, Sequence
 
-import rrefrt_transport as transport
 from rrefrt.payload import serialization as ser
 from rrefrt import state
 from rrefrt.payload.devices import NO_SCOPE
 from rrefrt.errors import RemoteSerializationError, SerializationError, ShutdownError
 from rrefrt.functions import is_async_execution, when_future_done
 from rrefrt.pool import InlineWaits, PoolExhaustedError, acting_as
-from rrefrt.protocol.messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
+from rrefrt.protocol.messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, ServeFetch
 from rrefrt.protocol.context import FAILED, READY, OwnerRecord
+from rrefrt.runtime.control import ControlLoop
+from rrefrt.runtime.core import WorkerCore
+from rrefrt.runtime.creation import CreationTracker
+from rrefrt.runtime.lifecycle import Lifecycle
+from rrefrt.runtime.payloads import Payloads
+from rrefrt.runtime.replies import Replies
 
 log = logging.getLogger("rrefrt")
 
@@ -50,8 +55,14 @@ Done = Callable[[Any, "BaseException | None"], None]
 
 
 class Callee:
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, core: WorkerCore, control: ControlLoop, lifecycle: Lifecycle, payloads: Payloads,
+                 replies: Replies, creation: CreationTracker) -> None:
+        self.core = core
+        self.control = control
+        self.lifecycle = lifecycle
+        self.payloads = payloads
+        self.replies = replies
+        self.creation = creation
         #: src -> (ids, order): recent PYTHON_CALL ids per peer, to drop duplicates (transport thread)
         self._seen_calls: dict[int, tuple[set[int], collections.deque]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -59,33 +70,33 @@ class Callee:
         self._loop_lock = threading.Lock()
         #: the transport's run_inline (NOTE [Inline calls]), looked up at the first call
         self._inline: Callable[[Callable[[], None], Callable[[], None]], bool] | None = None
-        self._waits = InlineWaits(_no_hand_off)
+        self._waits = InlineWaits(_no_hand_off)  # until the first call (the transport exists then)
 
     # ------------------------------------------------------------------ arrival (transport thread)
     def on_python_call(self, src: int, msg_id: int, msg: PythonCall, frames: Sequence[Any]) -> None:
         if msg.deletes:  # NOTE [Piggybacked deletes] in docs/protocol.md: before the call
-            self.rt.control.perform(self.rt.ctx.on_user_deletes(msg.deletes))
+            self.control.perform(self.core.ctx.on_user_deletes(msg.deletes))
         if self._seen_before(src, msg_id):
-            self.rt.stats["duplicate_calls_dropped"] += 1
+            self.core.stats["duplicate_calls_dropped"] += 1
             return
         self._start(src, msg, msg_id, frames, None)
 
     def on_remote_request(self, src: int, msg_id: int, msg: RemoteRequest, frames: Sequence[Any]) -> None:
         if msg.deletes:  # NOTE [Piggybacked deletes]: before the creation; idempotent (retries)
-            self.rt.control.perform(self.rt.ctx.on_user_deletes(msg.deletes))
-        rec = self.rt.creation.on_request(src, msg_id, msg)
+            self.control.perform(self.core.ctx.on_user_deletes(msg.deletes))
+        rec = self.creation.on_request(src, msg_id, msg)
         if rec is not None:  # not a duplicate; the answer goes through the creation tracker
             self._start(src, msg, 0, frames, rec)
 
     def _start(self, src: int, msg: PythonCall | RemoteRequest, msg_id: int, frames: Sequence[Any],
                rec: OwnerRecord | None) -> None:
-        rt = self.rt
-        rrefs = rt.caller.rrefs_from_forks(msg.forks, src, lazy=isinstance(msg, PythonCall))
-        if not rt.accepting:
-            err = ShutdownError(f"worker {rt.info.name!r} is shutting down and accepts no new calls")
+        core = self.core
+        rrefs = self.payloads.rrefs_from_forks(msg.forks, src, lazy=isinstance(msg, PythonCall))
+        if not core.accepting:
+            err = ShutdownError(f"worker {core.info.name!r} is shutting down and accepts no new calls")
             self.finish(src, msg, msg_id, rec, None, err)
             return
-        rt.lifecycle.track_call(+1, src)
+        self.lifecycle.track_call(+1, src)
         call = (src, msg, msg_id, frames, rrefs, rec)
         # NOTE [Inline calls] in transport/unix/lead.py: the thread that read it runs it
         if not self._inline_hook()(lambda: self._run_inline(self.run_call, call), lambda: self._submit(call)):
@@ -94,28 +105,28 @@ class Callee:
     def _inline_hook(self) -> Callable[[Callable[[], None], Callable[[], None]], bool]:
         inline = self._inline
         if inline is None:
-            transport_ = self.rt.transport
-            inline = self._inline = getattr(transport_, "run_inline", None) or _no_inline
-            self._waits = InlineWaits(getattr(transport_, "hand_off", _no_hand_off))
+            transport_ = self.core.transport
+            inline = self._inline = transport_.run_inline
+            self._waits = InlineWaits(transport_.hand_off)
         return inline
 
     def _submit(self, call: tuple) -> None:
-        rt = self.rt
+        core = self.core
         try:
-            rt.pool.submit(self.run_call, *call, reject_when_exhausted=True)
+            core.pool.submit(self.run_call, *call, reject_when_exhausted=True)
         except PoolExhaustedError as e:  # the hard cap of the compensating pool: fail this call, typed
             src, msg, msg_id, _frames, _rrefs, rec = call
-            rt.lifecycle.track_call(-1, src)
+            self.lifecycle.track_call(-1, src)
             self.finish(src, msg, msg_id, rec, None, e)
         except RuntimeError as e:  # a stopped pool (a queued inline call's fallback at close)
             src, msg, msg_id, _frames, _rrefs, rec = call
-            rt.lifecycle.track_call(-1, src)
-            self.finish(src, msg, msg_id, rec, None, ShutdownError(f"worker {rt.info.name!r} is shutting down ({e})"))
+            self.lifecycle.track_call(-1, src)
+            self.finish(src, msg, msg_id, rec, None, ShutdownError(f"worker {core.info.name!r} is shutting down ({e})"))
 
     def _run_inline(self, fn: Callable[..., None], args: tuple) -> None:
         """On the transport thread that read the call or fetch (NOTE [Inline calls]): as a
         pool task does, bound to this runtime; rrefrt's waits hand the reading role on."""
-        with state.bound(self.rt), acting_as(self._waits):
+        with state.bound(self.core), acting_as(self._waits):
             fn(*args)
 
     def _seen_before(self, src: int, msg_id: int) -> bool:
@@ -135,12 +146,12 @@ class Callee:
     # ------------------------------------------------------------------ execution (user pool)
     def run_call(self, src: int, msg: Any, msg_id: int, frames: Sequence[Any], rrefs: list[Any],
                  rec: OwnerRecord | None) -> None:
-        rt = self.rt
+        core = self.core
         #: NOTE [Device maps] in rrefrt/payload/devices.py: the function runs with this worker's device
         #: current, on a pooled stream that waits for the arriving tensors; its result's
         #: tensors are recorded so the caller never sees unfinished values (NO_SCOPE without CUDA)
-        scope = rt.devices.scope() if rt.devices is not None else NO_SCOPE
-        lazy = rt.caller.unregistered(rrefs) if isinstance(msg, PythonCall) else []
+        scope = core.devices.scope() if core.devices is not None else NO_SCOPE
+        lazy = self.payloads.unregistered(rrefs) if isinstance(msg, PythonCall) else []
         # handed over, emptied: neither this frame nor the pool's task keeps the RRefs alive
         call = [frames, list(rrefs)]
         rrefs.clear()
@@ -151,11 +162,11 @@ class Callee:
             # NOTE [Lazy registration] in docs/protocol.md: the call's frames have returned;
             # a received fork whose RRef object survives them registers now
             if lazy:
-                rt.caller.register_survivors(lazy)
+                self.payloads.register_survivors(lazy)
 
     def _run_call(self, src: int, msg: Any, msg_id: int, call: list[Any], rec: OwnerRecord | None,
                   scope: Any) -> None:
-        rt = self.rt
+        core = self.core
         frames, rrefs = call
         call.clear()
 
@@ -165,7 +176,7 @@ class Callee:
                     value = scope.finish(value)
                 self.finish(src, msg, msg_id, rec, value, exc)
             finally:
-                rt.lifecycle.track_call(-1, src)
+                self.lifecycle.track_call(-1, src)
 
         with scope:
             try:
@@ -173,7 +184,7 @@ class Callee:
             except BaseException as e:
                 if isinstance(e, SerializationError):  # we lack (or refuse) a class: say so, typed
                     cause = e.__cause__ or e
-                    err = RemoteSerializationError(str(e), f"{type(cause).__module__}.{type(cause).__qualname__}", rt.info.name)
+                    err = RemoteSerializationError(str(e), f"{type(cause).__module__}.{type(cause).__qualname__}", core.info.name)
                     err.__cause__ = e
                     e = err
                 done(None, e)
@@ -194,7 +205,7 @@ class Callee:
             when_future_done(result, func, done)
         elif inspect.iscoroutine(result):
             cf = asyncio.run_coroutine_threadsafe(result, self._event_loop())
-            cf.add_done_callback(lambda f: self.rt.pool.submit(_settle, f, done))
+            cf.add_done_callback(lambda f: self.core.pool.submit(_settle, f, done))
         else:
             done(result, None)
 
@@ -202,7 +213,7 @@ class Callee:
         with self._loop_lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                t = threading.Thread(target=_run_loop, args=(self.rt, loop), name=f"rrefrt-{self.rt.info.name}-asyncio", daemon=True)
+                t = threading.Thread(target=_run_loop, args=(self.core, loop), name=f"rrefrt-{self.core.info.name}-asyncio", daemon=True)
                 t.start()
                 self._loop, self._loop_thread = loop, t
             return self._loop
@@ -222,31 +233,31 @@ class Callee:
                 release_frames(exc)
 
     def _finish(self, src: int, msg: Any, msg_id: int, rec: OwnerRecord | None, value: Any, exc: BaseException | None) -> None:
-        rt = self.rt
+        core = self.core
         if isinstance(msg, RemoteRequest):
             assert rec is not None
-            rt.control.perform(rt.ctx.set_value(rec, value, exc))
-            if src != rt.info.id:  # not a remote() to self
-                rt.creation.finished(rec, src, exc)
+            self.control.perform(core.ctx.set_value(rec, value, exc))
+            if src != core.info.id:  # not a remote() to self
+                self.creation.finished(rec, src, exc)
             return
         if exc is None:
             try:
-                frames, forks = rt.caller.dumps(value, src, reply=True)
-                if not self.respond(src, msg_id, [OK, forks], frames, msg):
-                    rt.caller.abort_forks(forks)  # never sent (NOTE [Fenced forks] in caller.py)
+                frames, forks = self.payloads.dumps(value, src, reply=True)
+                if not self.replies.respond(src, msg_id, [OK, forks], frames, msg):
+                    self.payloads.abort_forks(forks)  # never sent (NOTE [Fenced forks] in caller.py)
                 return
             except Exception as e:
                 exc = e
-        self.respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, rt.info.name), msg)
+        self.replies.respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, core.info.name), msg)
 
     def on_fetch(self, src: int, msg_id: int, msg: Fetch, frames: Sequence[Any]) -> None:
         """Transport thread: a fetch. A ready plain value is answered here, another ready one
         on this thread after the loop's iteration (NOTE [Inline calls]) or on the callback
         pool; a pending one waits for the value (served by whoever sets it)."""
-        sf = self.rt.ctx.on_fetch(msg.rref_id, src, msg_id)
+        sf = self.core.ctx.on_fetch(msg.rref_id, src, msg_id)
         if sf is None or self.serve_fetch_inline(sf):
             return
-        cbs = self.rt.callbacks
+        cbs = self.core.callbacks
         # a ready value whose pickling may run user code: after this loop iteration, on this
         # thread, under the standby's watch (NOTE [Inline calls]); else the callback pool
         if not self._inline_hook()(
@@ -269,39 +280,17 @@ class Callee:
 
     def serve_fetch(self, sf: ServeFetch) -> None:
         """Callback pool: answer a fetch with the value (pickling it may run user code)."""
-        rt, rec = self.rt, sf.record
+        core, rec = self.core, sf.record
         if rec.state == FAILED:
-            self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(rec.error, rt.info.name), Fetch)
+            self.replies.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(rec.error, core.info.name), Fetch)
             return
         try:
-            frames, forks = rt.caller.dumps(rec.value, sf.src, reply=True)
+            frames, forks = self.payloads.dumps(rec.value, sf.src, reply=True)
         except Exception as e:
-            self.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, rt.info.name), Fetch)
+            self.replies.respond(sf.src, sf.msg_id, [ERROR, []], ser.dumps_error(e, core.info.name), Fetch)
             return
-        if not self.respond(sf.src, sf.msg_id, [OK, forks], frames, Fetch):
-            rt.caller.abort_forks(forks)  # never sent (NOTE [Fenced forks] in caller.py)
-
-    def ack(self, dest: int, msg_id: int, about: Any) -> None:
-        """Acknowledge a protocol message (an empty OK response)."""
-        self.respond(dest, msg_id, Response(OK).meta(), [], about)
-
-    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any], about: Any) -> bool:
-        """Answer request ``msg_id`` of ``dest``; ``about`` (a message or its class) names it
-        for the fault hook as ``RESPONSE:<NAME>``. False: the answer was not sent (too large,
-        or the transport is closed or fenced), so the forks it carried must be undone."""
-        rt = self.rt
-        try:
-            rt.transport.respond(dest, msg_id, meta, frames, "RESPONSE:" + about.NAME)
-            return True
-        except transport.MessageTooLarge as e:
-            err = ser.dumps_error(SerializationError(f"result too large: {e}"), rt.info.name)
-            try:
-                rt.transport.respond(dest, msg_id, [ERROR, []], err)
-            except transport.AgentClosed:
-                log.debug("response to worker %d dropped: transport closed", dest)
-        except transport.AgentClosed:
-            log.debug("response to worker %d dropped: transport closed", dest)
-        return False
+        if not self.replies.respond(sf.src, sf.msg_id, [OK, forks], frames, Fetch):
+            self.payloads.abort_forks(forks)  # never sent (NOTE [Fenced forks] in caller.py)
 
 
 def release_frames(exc: BaseException) -> None:
@@ -320,13 +309,9 @@ def release_frames(exc: BaseException) -> None:
         seen += 1
 
 
-def _run_loop(rt: Any, loop: asyncio.AbstractEventLoop) -> None:
-    with state.bound(rt):
+def _run_loop(core: WorkerCore, loop: asyncio.AbstractEventLoop) -> None:
+    with state.bound(core):
         loop.run_forever()
-
-
-def _no_inline(task: Callable[[], None], fallback: Callable[[], None]) -> bool:
-    return False
 
 
 def _no_hand_off() -> None:

@@ -3,8 +3,9 @@
 Owns: the control queue and its typed items, the control thread, the performance of every
 action the RRef context returns, and the retry policy of protocol messages (NOTE
 [Retries]). Imports from rrefrt: errors, ids, messages, pool, rref_drops (constants),
-rref_context (types only). It reaches the runtime it serves through the ``rt`` it is given
-(no module state).
+the RRef context (types only). It is given the worker's core (rrefrt/runtime/core.py) and
+the replies; the two homes above it, serving a fetch (the callee) and a lost creation
+(remote() creation), are callables the composition root hands in (no module state).
 
 Rule 1: user code never runs on the control thread: no unpickling of payloads, no pickling
         of values, no value destructors. Work that may run user code is handed to the
@@ -25,9 +26,7 @@ Home threads (each action or item kind runs on exactly one kind of thread):
                                                          when the context's lock is free;
                                                          sent from these threads)
     Acked (final ack of a request)       transport       context update, sends (inline)
-    CreationSettled / CreationLost       control         see rrefrt/runtime/creation.py (a result
-                                                         now settles on the thread that has
-                                                         it; the item stays for tools)
+    CreationLost                         control         see rrefrt/runtime/creation.py
     PeerDied                             control         G3
     ServeFetch                           callback pool   pickles the value (__reduce__); or
                                                          the pool thread that set the value,
@@ -73,6 +72,8 @@ from rrefrt.runtime import collection
 from rrefrt.errors import RpcError
 from rrefrt.protocol.ids import ForkId
 from rrefrt.pool import current_pool
+from rrefrt.runtime.core import WorkerCore
+from rrefrt.runtime.replies import Replies
 from rrefrt.protocol.drops import DONE, KEPT
 from rrefrt.protocol.messages import (
     DELETES_PER_MESSAGE,
@@ -146,14 +147,6 @@ class Retry:
 
 
 @dataclass(frozen=True, slots=True)
-class CreationSettled:
-    """A remote() made here got its result from the owner (``error`` None: a value)."""
-
-    fork_id: ForkId
-    error: BaseException | None
-
-
-@dataclass(frozen=True, slots=True)
 class CreationLost:
     """A remote() made here was never acknowledged by ``dest``."""
 
@@ -173,7 +166,7 @@ class Sync:
     event: threading.Event = field(compare=False)
 
 
-ControlItem = Incoming | Perform | Dropped | FlushDrops | Acked | Retry | CreationSettled | CreationLost | PeerDied | Sync
+ControlItem = Incoming | Perform | Dropped | FlushDrops | Acked | Retry | CreationLost | PeerDied | Sync
 
 
 _FLUSH = FlushDrops()
@@ -216,9 +209,19 @@ def _ignore_ack(err: Any) -> None:
     return None
 
 
+#: serve_fetch(sf): answer a fetch with its value (the callee's; may run user code)
+ServeFetchHome = Callable[[ServeFetch], None]
+#: creation_lost(fork_id, dest): a remote() made here was never acknowledged (creation's)
+CreationLostHome = Callable[[ForkId, int], None]
+
+
 class ControlLoop:
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, core: WorkerCore, replies: Replies, serve_fetch: ServeFetchHome,
+                 creation_lost: CreationLostHome) -> None:
+        self.core = core
+        self.replies = replies
+        self._serve_fetch = serve_fetch
+        self._creation_lost = creation_lost
         self.queue: queue.SimpleQueue[ControlItem] = queue.SimpleQueue()
         #: fork ids of RRef objects that went away, not yet applied (NOTE [Drops])
         self.drops: _Drops = _Drops()
@@ -233,17 +236,16 @@ class ControlLoop:
         self._batching = False
         self._stop = False
         self._pid = os.getpid()  #: the process whose control thread this is (NOTE [Drops before a collection])
-        self._thread = threading.Thread(target=self._run, name=f"rrefrt-{rt.info.name}-control", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"rrefrt-{core.info.name}-control", daemon=True)
         self._handlers: dict[type, Callable[[Any], None]] = {
             Incoming: self._on_incoming,
             Perform: lambda item: self._perform(item.actions),
-            Dropped: lambda item: self._perform(self.rt.ctx.user_dropped(item.fork_id)),
+            Dropped: lambda item: self._perform(self.core.ctx.user_dropped(item.fork_id)),
             FlushDrops: self._on_flush,
             Acked: self._on_acked,
             Retry: lambda item: self.request(item.msg, item.on_ack, item.frames, item.attempt, item.on_reply),
-            CreationSettled: lambda item: self._perform(self.rt.ctx.on_remote_ret(item.fork_id, item.error)),
-            CreationLost: lambda item: self.rt.creation.on_lost(item.fork_id, item.dest),
-            PeerDied: lambda item: self._perform(self.rt.ctx.on_peer_dead(item.peer)),
+            CreationLost: lambda item: self._creation_lost(item.fork_id, item.dest),
+            PeerDied: lambda item: self._perform(self.core.ctx.on_peer_dead(item.peer)),
             Sync: self._on_sync,
         }
 
@@ -257,12 +259,12 @@ class ControlLoop:
         rrefrt/runtime/collection.py): ask the control thread to send the deletes decided so far;
         the event it sets once they are sent, or None when there is nothing to send or no
         waiting is safe."""
-        if self._stop or self.rt.closed or os.getpid() != self._pid:
+        if self._stop or self.core.closed or os.getpid() != self._pid:
             return None  # a forked child inherits the loops, not their threads (NOTE [Fork safety])
-        if not (self.rt.ctx.unsent_count or self.drops):  # ``drops``: true too while a flush sends
+        if not (self.core.ctx.unsent_count or self.drops):  # ``drops``: true too while a flush sends
             return None
         me = threading.get_ident()
-        if (self._flusher == me or not self.rt.ctx.lock_free() or self.on_control_thread()
+        if (self._flusher == me or not self.core.ctx.lock_free() or self.on_control_thread()
                 or not self._thread.is_alive()):
             return None  # the flush would wait for this very thread (or there is none)
         ev = threading.Event()
@@ -293,7 +295,7 @@ class ControlLoop:
         if it reads False, this drop queues one itself (two threads may both queue one: a
         spare flush finds the deque empty)."""
         drops = self.drops
-        done = self.rt.ctx.try_user_dropped(fork_id)
+        done = self.core.ctx.try_user_dropped(fork_id)
         if done == DONE:
             return  # applied, nothing to send: no wake-up
         if done == KEPT:
@@ -328,11 +330,11 @@ class ControlLoop:
         leaves after the call. Sends never wait for this lock's holder, and nothing here
         waits while holding another lock (the context's lock is taken and released inside
         ``take_dropped``)."""
-        drops, ctx = self.drops, self.rt.ctx
+        drops, ctx = self.drops, self.core.ctx
         kept: tuple = ()
         if not self._flush_lock.acquire(timeout=FLUSH_WAIT):
             log.warning("worker %r: another thread has been sending the deletes of dropped RRefs for over "
-                        "%.0f s; not waiting for it any longer", self.rt.info.name, FLUSH_WAIT)
+                        "%.0f s; not waiting for it any longer", self.core.info.name, FLUSH_WAIT)
             return kept
         self._flusher = threading.get_ident()
         try:
@@ -374,7 +376,7 @@ class ControlLoop:
         if not deletes:
             return
         if error is None:
-            self.rt.ctx.on_user_deletes_ack([fid for _, fid in deletes])
+            self.core.ctx.on_user_deletes_ack([fid for _, fid in deletes])
             return
         self.perform([UserDeletes(dest, deletes)])
 
@@ -387,7 +389,7 @@ class ControlLoop:
         wake-up."""
         self._flush_queued = False
         self._batching = True  # before ``_flush_queued`` is read again: see ``drop``
-        if self.rt.ctx.unsent_count + len(self.drops) >= FIRST_BATCH:
+        if self.core.ctx.unsent_count + len(self.drops) >= FIRST_BATCH:
             self.flush_drops()
 
     def _on_sync(self, item: Sync) -> None:
@@ -442,7 +444,7 @@ class ControlLoop:
             try:
                 self._handlers[type(item)](item)
             except Exception:
-                log.exception("control item %s failed on worker %r", type(item).__name__, self.rt.info.name)
+                log.exception("control item %s failed on worker %r", type(item).__name__, self.core.info.name)
             del item
 
     def _on_incoming(self, item: Incoming) -> None:
@@ -451,7 +453,7 @@ class ControlLoop:
     def on_incoming(self, src: int, msg_id: int, msg: Message) -> None:
         """A protocol message arrived: update the context, acknowledge, perform the
         consequences - on the calling thread (NOTE [Inline protocol])."""
-        rt, ctx = self.rt, self.rt.ctx
+        ctx = self.core.ctx
         if isinstance(msg, Fetch):
             sf = ctx.on_fetch(msg.rref_id, src, msg_id)
             if sf is not None:
@@ -470,11 +472,11 @@ class ControlLoop:
             actions = ctx.on_user_deletes(msg.deletes)
         else:
             raise TypeError(f"{type(msg).__name__} is not handled by the control thread")
-        rt.callee.ack(src, msg_id, msg)
+        self.replies.ack(src, msg_id, msg)
         self.perform(actions)  # batched: the parents a ChildAccepts frees delete in one message
 
     def _on_acked(self, item: Acked) -> None:
-        msg, err, ctx = item.msg, item.error, self.rt.ctx
+        msg, err, ctx = item.msg, item.error, self.core.ctx
         if isinstance(msg, ForkRequest):
             if err is None:
                 self._perform(ctx.on_fork_request_ack(msg.fork_id))
@@ -516,9 +518,9 @@ class ControlLoop:
                     self.request(a, _ignore_ack, a.payload if isinstance(a, RemoteRet) else ())
                 elif isinstance(a, ServeFetch):
                     if current_pool() is not None:  # a pool thread (set_value): user code may run here
-                        self.rt.callee.serve_fetch(a)
+                        self._serve_fetch(a)
                     else:
-                        self.rt.callbacks.submit(self.rt.callee.serve_fetch, a)
+                        self.core.callbacks.submit(self._serve_fetch, a)
             except transport.AgentClosed:
                 log.debug("protocol message %r not sent: transport closed", a)
             except RuntimeError as e:  # a stopped pool at close
@@ -528,7 +530,7 @@ class ControlLoop:
             box.clear()  # nothing user-defined can run: freed here, no pool task (NOTE [Release home])
         if box:
             try:
-                self.rt.callbacks.submit(box.clear)
+                self.core.callbacks.submit(box.clear)
             except RuntimeError as e:  # a stopped pool at close
                 log.debug("release of %d value(s) dropped: %s", len(box), e)
             del box
@@ -541,28 +543,28 @@ class ControlLoop:
         except the first attempt of a remote() (the caller's thread, so it can raise).
 
         NOTE [Retries]: a control message whose ack does not come within
-        ``rt.control_retry_interval`` is sent again (``rt.control_attempts`` times at most);
+        ``core.control_retry_interval`` is sent again (``core.control_attempts`` times at most);
         the receivers' handlers are idempotent, and deleted forks leave tombstones, so a
         duplicate or late retry changes nothing. A dead peer stops the retries (G3 cleans
         up). The transport's callback only enqueues the retry: it is sent from here.
         """
-        rt = self.rt
+        core = self.core
         frames = tuple(frames)
 
         def done(meta: Any, fr: Sequence[Any], err: Any) -> None:  # transport thread
-            if isinstance(err, transport.RequestTimeout) and attempt < rt.control_attempts and not rt.closed:
-                rt.stats["control_retries"] += 1
+            if isinstance(err, transport.RequestTimeout) and attempt < core.control_attempts and not core.closed:
+                core.stats["control_retries"] += 1
                 self.queue.put(Retry(msg, attempt + 1, on_ack, on_reply, frames))
                 return
             if isinstance(err, transport.RequestTimeout):
                 log.error("%s to worker %r was never acknowledged after %d attempts", msg.NAME,
-                          rt.worker_name(msg.dest), attempt)
+                          core.worker_name(msg.dest), attempt)
             if err is None and on_reply is not None:
                 on_reply(meta, fr)
             on_ack(err)
 
         try:
-            rt.transport.request(msg.dest, msg.KIND, msg.meta(), frames, rt.control_retry_interval, done, msg.NAME)
+            core.transport.request(msg.dest, msg.KIND, msg.meta(), frames, core.control_retry_interval, done, msg.NAME)
         except transport.TransportError as e:
             if attempt == 1:
                 raise

@@ -4,8 +4,8 @@ Owns: on the owner, the creations not yet answered (``accepts``), their accept t
 handling of duplicates; on the creator, the sending of the creation, the to_here() calls
 parked on its answer and the plain value it carried (``Creation``, NOTE [Inline creation
 values]), the fetches waiting for an unconfirmed creation (``fetches``), and the loss of a
-creation. Imports from rrefrt: control, errors, futures, ids, messages, rref_context,
-serialization. The RRef context keeps the protocol state proper (forks, users,
+creation. Given the worker's core, the control loop, the replies and the requests (for
+the fetches of parked to_here() calls). The RRef context keeps the protocol state proper (forks, users,
 tombstones); this object keeps the request ids, timers and parked calls that only the
 runtime knows.
 
@@ -69,7 +69,10 @@ from typing import Any, Sequence
 
 import rrefrt_transport as transport
 from rrefrt.payload import serialization as ser
-from rrefrt.runtime.control import CreationLost
+from rrefrt.runtime.control import ControlLoop, CreationLost
+from rrefrt.runtime.core import WorkerCore
+from rrefrt.runtime.replies import Replies
+from rrefrt.runtime.requests import Requests, fetch_error
 from rrefrt.errors import RpcTimeoutError, RRefCreationError, fresh
 from rrefrt.futures import Future
 from rrefrt.protocol.ids import ForkId
@@ -124,8 +127,11 @@ class Creation:
 
 
 class CreationTracker:
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
+    def __init__(self, core: WorkerCore, control: ControlLoop, replies: Replies, requests: Requests) -> None:
+        self.core = core
+        self.control = control
+        self.replies = replies
+        self.requests = requests
         #: fork id -> cell of every remote() made here whose RRef object (or unanswered
         #: creation) still exists; entries leave with the cell (creator side)
         self.creating: weakref.WeakValueDictionary[ForkId, Creation] = weakref.WeakValueDictionary()
@@ -147,15 +153,15 @@ class CreationTracker:
         """remote(): send the creation (first attempt on the caller's thread, so that a
         closed transport raises there; retries from the control thread). ``cell`` (the
         creation's ``Creation``) keeps the to_here() calls parked on its first answer."""
-        rt, fid, dest = self.rt, msg.fork_id, msg.dest
+        core, fid, dest = self.core, msg.fork_id, msg.dest
         cell = cell if cell is not None else Creation(fid)
 
         def on_ack(err: Any) -> None:  # transport thread; after on_reply
             if msg.deletes:  # NOTE [Piggybacked deletes] in docs/protocol.md: first answer = their ack
-                rt.control.deletes_delivered(dest, msg.deletes, err)
+                self.control.deletes_delivered(dest, msg.deletes, err)
             if isinstance(err, transport.RequestTimeout):
-                rt.control.put(CreationLost(fid, dest))  # on_lost fails the parked calls
-                if not rt.closed:
+                self.control.put(CreationLost(fid, dest))  # on_lost fails the parked calls
+                if not core.closed:
                     return  # (closing: the control thread may be gone, they fail here)
             parked = self._take(cell)
             if err is None:  # accepted only (or an answer on_reply could not use): fetch now
@@ -165,18 +171,18 @@ class CreationTracker:
             for p in parked:
                 rref, fut = p.release()
                 if fut is not None:
-                    fut._fail(rt.caller.fetch_error(rref, err))
+                    fut._fail(fetch_error(rref, err))
 
         def on_reply(meta: Any, fr: Sequence[Any]) -> None:  # transport thread
             try:
                 resp = Response.decode(meta)
             except Exception:
-                rt.stats["bad_frames_dropped"] += 1
+                core.stats["bad_frames_dropped"] += 1
                 return
             if resp.done:  # accepted and already done: this answer is the result
                 self.settle(fid, dest, resp.status, fr, resp.inline, cell)
 
-        rt.control.request(msg, on_ack, frames, on_reply=on_reply)
+        self.control.request(msg, on_ack, frames, on_reply=on_reply)
 
     def settle(self, fork_id: ForkId, owner: int, status: int, frames: Sequence[Any], inline: tuple = (),
                cell: Creation | None = None) -> None:
@@ -184,13 +190,13 @@ class CreationTracker:
         error payload is unpickled on the callback pool (user code), never on the control
         or I/O thread; the context learns it on the control thread. The parked to_here()
         calls are released (NOTE [Inline creation values] 2)."""
-        rt = self.rt
+        core = self.core
         if cell is None:
             cell = self.creating.get(fork_id)
         if status == OK:  # no user code: the context learns it on this thread (NOTE [Inline protocol])
             if inline and cell is not None:
                 cell.value = inline[0]
-            rt.control.perform(rt.ctx.on_remote_ret(fork_id, None))
+            self.control.perform(core.ctx.on_remote_ret(fork_id, None))
             parked = self._take(cell) if cell is not None else []
             for p in parked:
                 if inline:
@@ -203,14 +209,14 @@ class CreationTracker:
         parked = self._take(cell) if cell is not None else []
 
         def decode() -> None:
-            err = ser.loads_error(frames, rt.worker_name(owner))
-            rt.control.perform(rt.ctx.on_remote_ret(fork_id, err))
+            err = ser.loads_error(frames, core.worker_name(owner))
+            self.control.perform(core.ctx.on_remote_ret(fork_id, err))
             for p in parked:
                 _, fut = p.release()
                 if fut is not None:
                     fut._fail(fresh(err))
 
-        rt.callbacks.submit(decode)
+        core.callbacks.submit(decode)
 
     # ------------------------------------------------------------------ parked to_here() (creator)
     def park(self, cell: Creation, rref: Any, fut: Future[Any], timeout: float) -> bool:
@@ -224,7 +230,7 @@ class CreationTracker:
             cell.waiters.append(p)
         if timeout > 0:
             try:
-                self.rt.transport.call_later(timeout, lambda: self._expire(p, timeout))  # p only
+                self.core.transport.call_later(timeout, lambda: self._expire(p, timeout))  # p only
             except Exception:  # a closed transport: unpark, the fetch path raises typed
                 with self._lock:
                     if cell.waiters is not None and p in cell.waiters:
@@ -251,7 +257,7 @@ class CreationTracker:
         if fut is not None:
             fut._fail(RpcTimeoutError(
                 f"to_here() of {rref!r} timed out after {timeout:.3f}s (worker "
-                f"{self.rt.worker_name(rref._user_rec.owner)!r} did not answer the RRef's creation)"
+                f"{self.core.worker_name(rref._user_rec.owner)!r} did not answer the RRef's creation)"
             ))
 
     def _fetch_now(self, p: Parked) -> None:
@@ -264,17 +270,28 @@ class CreationTracker:
         if p.deadline is not None:
             left = p.deadline - time.monotonic()
             if left <= 0:
-                owner = self.rt.worker_name(rref._user_rec.owner)
+                owner = self.core.worker_name(rref._user_rec.owner)
                 fut._fail(RpcTimeoutError(f"to_here() of {rref!r} timed out (worker {owner!r} did not answer in time)"))
                 return
         try:
-            self.rt.caller.send_fetch(rref, fut, left, flush=False)
+            self.send_fetch(rref, fut, left, flush=False)
         except BaseException as e:
             fut._fail(e)
 
+    def send_fetch(self, rref: Any, fut: Future[Any], t: float, flush: bool = True) -> None:
+        """Send a FETCH for ``rref`` that completes ``fut`` (the requests' ``send_fetch``); a
+        fetch of a creation not yet confirmed is remembered, so that it fails at once if the
+        creation turns out lost (``add_fetch``; its answer forgets it)."""
+        rec = rref._user_rec
+        forget = None
+        if not rec.confirmed:
+            self.add_fetch(rec.fork_id, fut)
+            forget = lambda: self.forget_fetch(rec.fork_id, fut)  # noqa: E731
+        self.requests.send_fetch(rref, fut, t, flush, before=forget)
+
     def on_remote_ret(self, src: int, msg_id: int, msg: RemoteRet, frames: Sequence[Any]) -> None:
         """I/O thread: a REMOTE_RET arrived; acknowledge it and settle the creation."""
-        self.rt.callee.ack(src, msg_id, msg)
+        self.replies.ack(src, msg_id, msg)
         self.settle(msg.rref_id, src, msg.status, frames, msg.inline)
 
     def add_fetch(self, fork_id: ForkId, fut: Future[Any]) -> None:
@@ -294,12 +311,12 @@ class CreationTracker:
 
     def on_lost(self, fork_id: ForkId, dest: int) -> None:
         """Control thread: the creation was never acknowledged (NOTE [Creation acks] 4)."""
-        rt = self.rt
+        core = self.core
         error = RRefCreationError(
-            f"RRef creation failed: worker {rt.worker_name(dest)!r} never acknowledged the creation "
-            f"of RRef {fork_id} after {rt.control_attempts} attempts (the message was lost)"
+            f"RRef creation failed: worker {core.worker_name(dest)!r} never acknowledged the creation "
+            f"of RRef {fork_id} after {core.control_attempts} attempts (the message was lost)"
         )
-        rt.control.perform(rt.ctx.abandon_user(fork_id, error))
+        self.control.perform(core.ctx.abandon_user(fork_id, error))
         cell = self.creating.get(fork_id)
         parked = self._take(cell) if cell is not None else []
         with self._lock:
@@ -312,41 +329,41 @@ class CreationTracker:
     def on_request(self, src: int, msg_id: int, msg: RemoteRequest) -> OwnerRecord | None:
         """I/O thread: a creation arrived. Returns the record to run the function for, or
         None for a duplicate, answered here (NOTE [Creation acks] 3)."""
-        rt = self.rt
-        rec = rt.ctx.on_remote_request(msg.rref_id, msg.fork_id, src, msg.type_name)
+        core = self.core
+        rec = core.ctx.on_remote_request(msg.rref_id, msg.fork_id, src, msg.type_name)
         if rec is None:
             self.accepts.pop(msg.rref_id, None)
-            done = rt.ctx.owned_record(msg.rref_id)
+            done = core.ctx.owned_record(msg.rref_id)
             if done is not None and done.state != PENDING:  # the value exists: say so
                 failed = done.state == FAILED
-                frames = ser.dumps_error(done.error, rt.info.name) if failed else []
+                frames = ser.dumps_error(done.error, core.info.name) if failed else []
                 inline = () if failed else inline_value(done.value)
-                rt.callee.respond(src, msg_id, Response(ERROR if failed else OK, (), True, inline).meta(True), frames, msg)
+                self.replies.respond(src, msg_id, Response(ERROR if failed else OK, (), True, inline).meta(True), frames, msg)
             else:
-                rt.callee.respond(src, msg_id, Response(OK, (), False).meta(True), [], msg)  # accepted (again)
-            rt.stats["duplicate_calls_dropped"] += 1
+                self.replies.respond(src, msg_id, Response(OK, (), False).meta(True), [], msg)  # accepted (again)
+            core.stats["duplicate_calls_dropped"] += 1
             return None
         self.accepts[rec.rref_id] = (src, msg_id)
-        rt.transport.call_later(ACCEPT_DELAY_S, lambda rid=rec.rref_id: self._accept_now(rid))
+        core.transport.call_later(ACCEPT_DELAY_S, lambda rid=rec.rref_id: self._accept_now(rid))
         return rec
 
     def _accept_now(self, rref_id: Any) -> None:
         """Transport thread timer: the value is taking a while, accept its creation now."""
         accept = self.accepts.pop(rref_id, None)
         if accept is not None:
-            self.rt.callee.respond(accept[0], accept[1], Response(OK, (), False).meta(True), [], RemoteRequest)
+            self.replies.respond(accept[0], accept[1], Response(OK, (), False).meta(True), [], RemoteRequest)
 
     def finished(self, rec: OwnerRecord, creator: int, exc: BaseException | None) -> None:
         """Pool thread: the creating function finished; answer the creator (NOTE
         [Creation acks] 1 and 2)."""
-        rt = self.rt
-        frames = [] if exc is None else ser.dumps_error(exc, rt.info.name)
+        core = self.core
+        frames = [] if exc is None else ser.dumps_error(exc, core.info.name)
         status = OK if exc is None else ERROR
         # NOTE [Inline creation values] 1: a plain value rides in the answer
         inline = inline_value(rec.value) if exc is None and rec.state == READY else ()
         accept = self.accepts.pop(rec.rref_id, None)
         if accept is not None:  # not yet accepted: accept and result in one answer
-            rt.callee.respond(accept[0], accept[1], Response(status, (), True, inline).meta(True), frames, RemoteRequest)
+            self.replies.respond(accept[0], accept[1], Response(status, (), True, inline).meta(True), frames, RemoteRequest)
             return
-        rt.control.perform([RemoteRet(creator, rec.rref_id, status, tuple(frames), inline)])
+        self.control.perform([RemoteRet(creator, rec.rref_id, status, tuple(frames), inline)])
 

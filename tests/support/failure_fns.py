@@ -19,8 +19,8 @@ def agent_info() -> dict:
     """What the transport of this worker knows: endpoints, dead peers, counters."""
     rt = rrefrt.state.current()
     return {
-        "endpoints": list(rt.agent.endpoints),
-        "dead": sorted(rt.agent.peer_name(p) for p in rt.agent.dead_peers()),
+        "endpoints": list(rt.transport.endpoints),
+        "dead": sorted(rt.transport.peer_name(p) for p in rt.transport.dead_peers()),
         # the transport's counters and the runtime's own, merged as get_debug_info shows them
         "stats": rt.lifecycle.stats(),
         "pid": os.getpid(),

@@ -119,15 +119,19 @@ def _child_checks(rt: Any, user_rref: Any, owned: Any, peer: str, full: bool) ->
         timed("shutdown", lambda: rrefrt.shutdown())
         timed("shutdown(graceful=False)", lambda: rrefrt.shutdown(graceful=False))
     # every way out of the inherited runtime records instead of sending
+    # the transport's sending methods (the only way out of the runtime) and the control
+    # thread's real queue record what reaches them instead of sending it
     sent: list[str] = []
-    rt.agent._enqueue = lambda item: sent.append(f"agent: {item[0]}")
+    tr = rt.transport
+    for how in ("request", "send", "respond"):
+        setattr(tr, how, lambda dest, *a, _how=how, **k: sent.append(f"transport.{_how} to {dest}"))
     rt.enqueue_drop = lambda fid: sent.append(f"drop {fid}")
 
     class Recorder:
         def put(self, item: Any) -> None:
             sent.append(f"control: {type(item).__name__}")
 
-    rt._control = Recorder()
+    rt.control.queue = Recorder()  # type: ignore[assignment]
     t0 = time.monotonic()
     del user_rref, owned
     gc.collect()
@@ -204,7 +208,7 @@ def fork_checks(spec: dict) -> dict:
     held, api_held, release = threading.Event(), threading.Event(), threading.Event()
 
     def hold_locks() -> None:  # runs on the I/O thread
-        with rt.ctx._lock, rt.agent._loop._lock:  # the zmq data loop's outbox lock
+        with rt.ctx._lock, rt.transport.inner._loop._lock:  # the zmq data loop's outbox lock
             held.set()
             release.wait(2.0)
 
@@ -213,7 +217,7 @@ def fork_checks(spec: dict) -> dict:
             api_held.set()
             release.wait(2.0)
 
-    rt.agent._call_soon(hold_locks)
+    rt.transport.inner._call_soon(hold_locks)
     threading.Thread(target=hold_api_lock, daemon=True).start()
     assert held.wait(5) and api_held.wait(5), "the lock holders never ran"
     rfd, wfd = os.pipe()

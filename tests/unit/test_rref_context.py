@@ -35,6 +35,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from rrefrt.runtime.callee import Callee
 from rrefrt.runtime.control import ControlLoop, Dropped, Incoming
 from rrefrt.runtime.creation import CreationTracker
+from rrefrt.runtime.lifecycle import Lifecycle
+from rrefrt.runtime.payloads import Payloads
+from rrefrt.runtime.replies import Replies
+from rrefrt.runtime.requests import Requests
 from rrefrt.errors import OwnerDiedError
 from rrefrt.protocol.ids import ForkId, IdGenerator, RRefId
 from rrefrt.protocol.messages import (
@@ -118,9 +122,16 @@ class SimWorker:
         self.transport = self.callbacks = self
         #: msg_id -> (message, on_done) of the requests this worker sent
         self.pending: dict[int, tuple[Any, Any]] = {}
-        self.control = ControlLoop(self)  # never started: drain() runs its items
-        self.creation = CreationTracker(self)
-        self.callee = Callee(self)
+        # the runtime's parts, wired as the composition root wires them (rrefrt/runtime/root.py)
+        core: Any = self
+        self.replies = Replies(core)
+        self.control = ControlLoop(core, self.replies, serve_fetch=self._serve_fetch,  # never started:
+                                   creation_lost=lambda fid, dest: self.creation.on_lost(fid, dest))  # drain() runs its items
+        self.lifecycle = Lifecycle(core, self.control)
+        self.payloads = Payloads(core, self.control, host=core)
+        self.requests = Requests(core, self.control, self.lifecycle, self.payloads)
+        self.creation = CreationTracker(core, self.control, self.replies, self.requests)
+        self.callee = Callee(core, self.control, self.lifecycle, self.payloads, self.replies, self.creation)
 
     def worker_name(self, worker: int) -> str:
         return f"w{worker}"
@@ -147,11 +158,13 @@ class SimWorker:
             if target:
                 for rec in target:  # the Releases of one action list share a box
                     self.m._check_release(self.id, rec)
-        elif getattr(fn, "__func__", None) is Callee.serve_fetch:  # serialization is not modelled
-            (sf,) = args
-            self.m.net.append(Msg("fetch_ret", self.id, sf.src, {"msg_id": sf.msg_id, "rec": sf.record}))
             return
         fn(*args)
+
+    def _serve_fetch(self, sf: Any) -> None:
+        """The control loop's home for ServeFetch (the callee's in the runtime): serialization
+        is not modelled, the value's record travels as the answer."""
+        self.m.net.append(Msg("fetch_ret", self.id, sf.src, {"msg_id": sf.msg_id, "rec": sf.record}))
 
     def drain(self) -> None:
         """Run every control item enqueued so far (the control thread, synchronously)."""
@@ -432,7 +445,7 @@ class RRefProtocolMachine(RuleBasedStateMachine):
                 assert parent is not None and parent[0] == w, f"unexpected child accept {m!r}"
             elif m.kind is UserDelete:
                 assert msg.fork_id in ctx.forks.get(msg.rref_id, {}), f"G1: {m!r} arrived before the owner registered the fork"
-            worker.control.put(Incoming(m.src, a["msg_id"], msg))  # Runtime.to_control
+            worker.control.put(Incoming(m.src, a["msg_id"], msg))  # through the control thread's queue
             if m.kind in (Fetch, ForkRequest):
                 worker.drain()
                 rec = ctx.owned_record(msg.rref_id)

@@ -252,7 +252,7 @@ def test_duplicate_creation_runs_once_and_is_answered_at_once(group: Group) -> N
         answers.append(Response.decode(meta) if err is None else err)
 
     with group.as_worker(0):
-        frames, forks = w0.caller.dumps_call(record, (1,), None, 1)
+        frames, forks = w0.payloads.dumps_call(record, (1,), None, 1)
     msg = RemoteRequest(1, rid, rid, "object", ())
     for n in (1, 2):  # the original, then a retry (as if the first answer was lost)
         w0.transport.request(1, msg.KIND, msg.meta(), frames, 5.0, on_done, msg.NAME)
@@ -613,11 +613,11 @@ def test_release_rrefs_collects_garbage_only_for_strict_leak_checks(group: Group
     with group.as_worker(0):
         rref = rrefrt.remote("w1", add, args=(1, 1))
         poll_for(rref.confirmed_by_owner, 5)
-    assert w0.release_rrefs(time.monotonic() + 5) == []
+    assert w0.lifecycle.release_rrefs(time.monotonic() + 5) == []
     assert collected == []
     assert w0.ctx.counts()["num_confirmed_users"] == 0  # deleted although still referenced
     w0.options.strict_rref_leaks = True
-    w0.release_rrefs(time.monotonic() + 5)
+    w0.lifecycle.release_rrefs(time.monotonic() + 5)
     assert collected == [1]
     del rref
 
@@ -719,7 +719,7 @@ def test_call_tracking_notifies_only_a_waiting_shutdown(monkeypatch: Any) -> Non
     from rrefrt.runtime.lifecycle import Lifecycle
 
     rt = SimpleNamespace(info=SimpleNamespace(id=0), transport=SimpleNamespace(is_alive=lambda src: True))
-    life = Lifecycle(rt)
+    life = Lifecycle(rt, SimpleNamespace())  # type: ignore[arg-type]
     notified: list[int] = []
     real = life._active.notify_all
     monkeypatch.setattr(life._active, "notify_all", lambda: (notified.append(1), real()))

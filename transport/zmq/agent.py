@@ -227,6 +227,13 @@ class ZmqTransport(SendPath):
         else:
             self._schedule(lambda: self._loop.call_later(delay, fn))
 
+    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
+        """No inline calls here: the caller runs ``task`` on a pool."""
+        return False
+
+    def hand_off(self) -> None:
+        """Nothing runs inline here: nothing to hand on."""
+
     def peer_name(self, peer_id: int) -> str:
         return self._names.get(peer_id) or ("self" if peer_id == self.id else f"<worker {peer_id}>")
 
