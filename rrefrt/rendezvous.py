@@ -35,7 +35,20 @@ NOTE [Conflicts]
   until every rank of the group took a ticket and every ticket near its own is done: a
   worker that starts late (a loaded machine) still finds the store, sees the conflict and
   fails with it, instead of retrying a closed port until its init timeout (300 s by
-  default; the conflict tests once hung 60 s that way under load).
+  default; the conflict tests once hung 60 s that way under load). The host lingers on a
+  thread of its own (``rrefrt-store-linger``, not a daemon: the process exits once it ends),
+  after init_rpc raised: its own error is reported as soon as it is found, never up to
+  _LINGER_S later (a second rank 0 hosting the store once reported its duplicate after
+  11.7 s, under load, while rank 1 was slow to start).
+
+NOTE [Refused store clients]
+  A connection the store refuses (no or wrong secret) never fails the join: anyone who can
+  reach the port can make one, and its handshake proves nothing (NOTE [Refused clients] in
+  rrefrt/store.py). Only a refused process that the kernel shows to be of this job's own
+  user on this host - a worker started with another secret, in practice - fails the join on
+  every worker, naming it, if a rank is still missing _AUTH_GRACE later. A refused worker on
+  another host fails at once itself; the others fail at init_timeout with "never joined",
+  and rank 0's message adds how many connections the store refused, and from where.
 
 NOTE [Re-initialisation] (issue 11 item 6)
   When rank 0 hosts the store, a worker that shut down and calls init_rpc again may reach
@@ -50,6 +63,7 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
@@ -348,7 +362,7 @@ class Rendezvous:
             ) from None
         if missing:
             ranks = ", ".join(k.split("/")[1] for k in missing)
-            msg = f"{where}, but rank(s) {ranks} never joined (world_size={spec.world_size})"
+            msg = f"{where}, but rank(s) {ranks} never joined (world_size={spec.world_size}){self._refused_hint()}"
             self._abort(msg, conflict=False)
             raise RendezvousError(msg)
         records = [self._get(k) for k in keys]
@@ -422,10 +436,22 @@ class Rendezvous:
             self._abort(problem, parties)
             raise RendezvousError(problem)
 
+    def _refused_hint(self) -> str:
+        """NOTE [Refused store clients]: on the host, what its store refused (addresses only)."""
+        server = self.server
+        if server is None or not server.refused:
+            return ""
+        return (
+            f"; meanwhile the rendezvous store refused {server.refused} connection(s) that did not prove the job's "
+            f"secret (the latest from {server.refused_from[-1]}): a worker started with another RREFRT_SECRET, or "
+            "another program; see docs/security.md"
+        )
+
     def _check_auth_failures(self) -> None:
-        """The host of the store: a client refused for its secret while ranks are still
-        missing 2 s later (_AUTH_GRACE: a stray connection cannot abort a join that
-        completes) fails the join on every worker, naming the refused process."""
+        """The host of the store: a process of this user on this host refused for its secret
+        while ranks are still missing 2 s later (_AUTH_GRACE: a stray connection cannot abort
+        a join that completes) fails the join on every worker, naming the refused process.
+        Nobody else's refusal counts (NOTE [Refused store clients])."""
         if self.server is None or not self.server.auth_failures:
             return
         now = time.monotonic()
@@ -557,19 +583,31 @@ class Rendezvous:
     def close(self, failed: bool = False) -> None:
         """Close the client (and the server, if hosted here). After a failed join the
         host keeps the store up until the group has read the error (NOTE [Conflicts])."""
-        store = self.store
+        store, server = self.store, self.server
         if store is not None and failed and hasattr(self, "prefix"):
             try:
                 store.set(f"rpc/done/{self._n}", b"1")
-                if self.server is not None:
-                    self._linger(time.monotonic() + _LINGER_S)
             except Exception:
                 pass
+            if server is not None:  # NOTE [Conflicts]: the caller reports its error now, the store lingers
+                self.server = None
+                threading.Thread(target=self._linger_then_close, args=(time.monotonic() + _LINGER_S, server),
+                                 name="rrefrt-store-linger", daemon=False).start()
+                return
         if store is not None:
             store.close()
-        if self.server is not None:
-            self.server.close()
+        if server is not None:
+            server.close()
             self.server = None
+
+    def _linger_then_close(self, deadline: float, server: StoreServer) -> None:
+        try:
+            self._linger(deadline)
+        except Exception:
+            pass
+        finally:
+            self.store.close()
+            server.close()
 
 
 __all__ = ["Record", "GroupSpec", "DYNAMIC", "Rendezvous", "RendezvousError", "InvalidRankError", "TorchStore",
