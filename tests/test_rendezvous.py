@@ -111,6 +111,29 @@ def test_duplicate_rank_in_process_names_both_claimants():
     assert len(errors) == 3 and all("'first'" in e and "'second'" in e and f"pid {os.getpid()}" in e for e in errors), errors
 
 
+def test_a_refused_stranger_never_fails_the_join_and_is_counted_not_quoted(monkeypatch):
+    """NOTE [Refused store clients]: a refusal that the kernel does not show to be of this
+    user leaves the join to its deadline; rank 0's "never joined" counts it by address."""
+    from rrefrt import store as store_mod
+    from rrefrt.store import StoreAuthError
+
+    monkeypatch.setattr(store_mod, "local_peer_uid", lambda sock: os.geteuid() + 1)  # another user
+    port, text = free_port(), "STRANGER-" + os.urandom(4).hex()
+    host = Rendezvous(GroupSpec("127.0.0.1", port, 0, 2), 10, secret="job-secret", name="w0")
+    try:
+        with pytest.raises(StoreAuthError):
+            StoreClient("127.0.0.1", port, 2, secret="guess", identity=f"worker 'w1' (rank 1) {text}")
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError) as info:  # not the AuthenticationError it was 2 s later
+            host.join(Record("w0", 0, 2, 0, {}, {}), t0 + 3.0)
+        assert time.monotonic() - t0 >= 2.9, info.value
+        msg = str(info.value)
+        assert "rank(s) 1 never joined" in msg and "refused 1 connection(s)" in msg and "127.0.0.1:" in msg, msg
+        assert text not in msg, msg
+    finally:
+        host.close(failed=True)
+
+
 # ----------------------------------------------------------------------------- processes
 def _start(mode: str, rank: int, world: int, port: int, name: str | None = None, **env: str) -> subprocess.Popen:
     extra = {"RANK": str(rank), "WORLD_SIZE": str(world)}
