@@ -36,7 +36,8 @@ NOTE [Conflicts]
   worker that starts late (a loaded machine) still finds the store, sees the conflict and
   fails with it, instead of retrying a closed port until its init timeout (300 s by
   default; the conflict tests once hung 60 s that way under load). The host lingers on a
-  thread of its own (``rrefrt-store-linger``, not a daemon: the process exits once it ends),
+  thread of its own (``rrefrt-store-linger <addr>:<port>``, not a daemon: the process exits
+  once it ends; a rank 0 of the same process that retries init_rpc at once waits for it),
   after init_rpc raised: its own error is reported as soon as it is found, never up to
   _LINGER_S later (a second rank 0 hosting the store once reported its duplicate after
   11.7 s, under load, while rank 1 was slow to start).
@@ -87,6 +88,8 @@ _AUTH_GRACE = 2.0
 _PROBE_S = 2.0
 #: after a failed join, how long the store's host waits for the group to read the error
 _LINGER_S = 10.0
+#: how long a store takes to close, at most (StoreServer.close)
+_CLOSE_S = 3.0
 #: how long a worker with an invalid rank tries to reach the store to report it
 _INVALID_REACH_S = 10.0
 
@@ -288,13 +291,32 @@ class Rendezvous:
         self._rank0_store = True
         if spec.rank == 0:
             try:
-                self.server = StoreServer(spec.master_addr, spec.master_port, secret=self._secret,
-                                          label=f"worker {self._name!r} (rank 0)")
+                try:
+                    self.server = self._host_store()
+                except PortInUseError:
+                    if not self._wait_own_linger(time.monotonic() + _LINGER_S + _CLOSE_S):
+                        raise
+                    self.server = self._host_store()  # this process's lingering store just closed
             except PortInUseError as e:
                 return self._probe_occupied(e)
         else:
             self._may_reconnect = True
         return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, identity=self._me)
+
+    def _host_store(self) -> StoreServer:
+        spec = self.spec
+        return StoreServer(spec.master_addr, spec.master_port, secret=self._secret, label=f"worker {self._name!r} (rank 0)")
+
+    def _linger_name(self) -> str:
+        return f"rrefrt-store-linger {self.spec.master_addr}:{self.spec.master_port}"
+
+    def _wait_own_linger(self, deadline: float) -> bool:
+        """NOTE [Conflicts]: a store of this process's failed join may still hold the port (an
+        init_rpc retried at once): wait for it to close (bounded). True if there was one."""
+        mine = [t for t in threading.enumerate() if t.name == self._linger_name()]
+        for t in mine:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return bool(mine)
 
     def _probe_occupied(self, err: PortInUseError) -> StoreClient:
         """Rank 0 could not bind: if an rrefrt store holds the port (another rank 0, of this
@@ -592,7 +614,7 @@ class Rendezvous:
             if server is not None:  # NOTE [Conflicts]: the caller reports its error now, the store lingers
                 self.server = None
                 threading.Thread(target=self._linger_then_close, args=(time.monotonic() + _LINGER_S, server),
-                                 name="rrefrt-store-linger", daemon=False).start()
+                                 name=self._linger_name(), daemon=False).start()
                 return
         if store is not None:
             store.close()

@@ -111,6 +111,44 @@ def test_duplicate_rank_in_process_names_both_claimants():
     assert len(errors) == 3 and all("'first'" in e and "'second'" in e and f"pid {os.getpid()}" in e for e in errors), errors
 
 
+def test_the_host_reports_a_conflict_at_once_and_a_retry_waits_for_its_lingering_store():
+    """NOTE [Conflicts]: two rank 0s in one process, rank 1 absent. The host's join raises
+    and its close returns at once, while its store lingers for rank 1 (on a thread); a
+    rank 0 that retries at once waits for that store to close and hosts a fresh one, rather
+    than joining the lingering one as a client."""
+    port = free_port()
+    deadline = time.monotonic() + 20
+    host = Rendezvous(GroupSpec("127.0.0.1", port, 0, 2), 10, name="a")
+    second = Rendezvous(GroupSpec("127.0.0.1", port, 0, 2), 10, name="b")
+    assert host.server is not None and second.server is None
+    errors: list[str] = []
+    t = threading.Thread(target=lambda: errors.append(_join_error(second, "b", deadline)))
+    t.start()
+    t0 = time.monotonic()
+    errors.append(_join_error(host, "a", deadline))
+    host.close(failed=True)
+    closed = time.monotonic() - t0
+    t.join(10)
+    assert len(errors) == 2 and all("duplicate rank 0" in e and "'a'" in e and "'b'" in e for e in errors), errors
+    assert closed < 1.0, f"the host's close took {closed:.1f}s: it lingered before its error could be reported"
+    retry = Rendezvous(GroupSpec("127.0.0.1", port, 0, 2), 20, name="a")
+    try:
+        assert retry.server is not None, "the retry joined the lingering store instead of hosting its own"
+        assert retry.store.add("rpc/init_count", 0) == 0  # a fresh store
+    finally:
+        retry.close()
+
+
+def _join_error(rd: Rendezvous, name: str, deadline: float) -> str:
+    try:
+        rd.join(Record(name, 0, 2, 0, {}, {}), deadline)
+    except RendezvousError as e:
+        if rd.server is None:
+            rd.close(failed=True)
+        return str(e)
+    return "joined"
+
+
 def test_a_refused_stranger_never_fails_the_join_and_is_counted_not_quoted(monkeypatch):
     """NOTE [Refused store clients]: a refusal that the kernel does not show to be of this
     user leaves the join to its deadline; rank 0's "never joined" counts it by address."""
