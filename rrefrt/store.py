@@ -541,6 +541,8 @@ class StoreClient:
         except (OSError, ConnectionError, ValueError, struct.error):
             status, out = _ERROR, []
         said = out[0].decode(errors="replace") if status != _OK and out else "authentication failed"
+        # the store's own words (it names its host), unauthenticated: one printable line, bounded
+        said = "".join(ch for ch in said[:300] if ch.isprintable()) or "authentication failed"
         if self._secret is None:
             raise StoreAuthError(
                 f"{said} (at {where}) and this process has none: set the same RREFRT_SECRET "

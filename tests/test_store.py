@@ -112,6 +112,30 @@ def test_a_refused_strangers_claims_are_forgotten(server, monkeypatch, caplog):
     good.close()
 
 
+def test_a_forged_stores_refusal_text_is_one_bounded_printable_line():
+    """The refusal a client quotes is the store's unauthenticated word: control characters
+    and all but 300 characters of it are dropped."""
+    from rrefrt.store_wire import _MAGIC, pack
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        srv.settimeout(10)
+
+        def forged() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                conn.sendall(pack(0, [_MAGIC, b"n" * 32, b"1", b"1000"]))
+                conn.recv(4096)
+                conn.sendall(pack(2, [b"FORGED\n\x1b[2J" + b"x" * 5000]))
+
+        t = threading.Thread(target=forged)
+        t.start()
+        with pytest.raises(StoreAuthError) as info:
+            StoreClient("127.0.0.1", srv.getsockname()[1], 5, secret="job-secret")
+        t.join(10)
+    msg = str(info.value)
+    assert "FORGED" in msg and "\x1b" not in msg and "\n" not in msg and msg.count("x") < 400, msg
+
+
 def test_local_peer_uid_is_the_kernels_owner_of_the_client_socket():
     with socket.create_server(("127.0.0.1", 0)) as srv:
         srv.settimeout(10)
