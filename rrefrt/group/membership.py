@@ -65,7 +65,7 @@ from rrefrt.group.torch_store import default_group_store, file_store
 if TYPE_CHECKING:
     from rrefrt.runtime.root import Runtime
 
-log = logging.getLogger("rrefrt.group.membership")
+log = logging.getLogger("rrefrt.membership")
 
 PREFIX = "rpc/dyn/"
 #: the highest rank + 1 a dynamic group accepts (the CURVE key space of a secret job)

@@ -35,7 +35,21 @@ NOTE [Conflicts]
   until every rank of the group took a ticket and every ticket near its own is done: a
   worker that starts late (a loaded machine) still finds the store, sees the conflict and
   fails with it, instead of retrying a closed port until its init timeout (300 s by
-  default; the conflict tests once hung 60 s that way under load).
+  default; the conflict tests once hung 60 s that way under load). The host lingers on a
+  thread of its own (``rrefrt-store-linger <addr>:<port>``, not a daemon: the process exits
+  once it ends; a rank 0 of the same process that retries init_rpc at once waits for it),
+  after init_rpc raised: its own error is reported as soon as it is found, never up to
+  _LINGER_S later (a second rank 0 hosting the store once reported its duplicate after
+  11.7 s, under load, while rank 1 was slow to start).
+
+NOTE [Refused store clients]
+  A connection the store refuses (no or wrong secret) never fails the join: anyone who can
+  reach the port can make one, and its handshake proves nothing (NOTE [Refused clients] in
+  rrefrt/group/store.py). Only a refused process that the kernel shows to be of this job's own
+  user on this host - a worker started with another secret, in practice - fails the join on
+  every worker, naming it, if a rank is still missing _AUTH_GRACE later. A refused worker on
+  another host fails at once itself; the others fail at init_timeout with "never joined",
+  and rank 0's message adds how many connections the store refused, and from where.
 
 NOTE [Re-initialisation] (issue 11 item 6)
   When rank 0 hosts the store, a worker that shut down and calls init_rpc again may reach
@@ -50,6 +64,7 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Union
@@ -63,7 +78,7 @@ from rrefrt.errors import AuthenticationError, RpcError, ShutdownError
 from rrefrt.group.store import PortInUseError, StoreAuthError, StoreClient, StoreClosed, StoreError, StoreServer
 from rrefrt.group.torch_store import TorchStore, agent_store, default_group_store, file_store
 
-log = logging.getLogger("rrefrt.group.rendezvous")
+log = logging.getLogger("rrefrt.rendezvous")
 
 #: how long a worker whose store closed under it during join waits for the next store
 _RECONNECT_S = 10.0
@@ -73,6 +88,8 @@ _AUTH_GRACE = 2.0
 _PROBE_S = 2.0
 #: after a failed join, how long the store's host waits for the group to read the error
 _LINGER_S = 10.0
+#: how long a store takes to close, at most (StoreServer.close)
+_CLOSE_S = 3.0
 #: how long a worker with an invalid rank tries to reach the store to report it
 _INVALID_REACH_S = 10.0
 
@@ -274,13 +291,32 @@ class Rendezvous:
         self._rank0_store = True
         if spec.rank == 0:
             try:
-                self.server = StoreServer(spec.master_addr, spec.master_port, secret=self._secret,
-                                          label=f"worker {self._name!r} (rank 0)")
+                try:
+                    self.server = self._host_store()
+                except PortInUseError:
+                    if not self._wait_own_linger(time.monotonic() + _LINGER_S + _CLOSE_S):
+                        raise
+                    self.server = self._host_store()  # this process's lingering store just closed
             except PortInUseError as e:
                 return self._probe_occupied(e)
         else:
             self._may_reconnect = True
         return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, identity=self._me)
+
+    def _host_store(self) -> StoreServer:
+        spec = self.spec
+        return StoreServer(spec.master_addr, spec.master_port, secret=self._secret, label=f"worker {self._name!r} (rank 0)")
+
+    def _linger_name(self) -> str:
+        return f"rrefrt-store-linger {self.spec.master_addr}:{self.spec.master_port}"
+
+    def _wait_own_linger(self, deadline: float) -> bool:
+        """NOTE [Conflicts]: a store of this process's failed join may still hold the port (an
+        init_rpc retried at once): wait for it to close (bounded). True if there was one."""
+        mine = [t for t in threading.enumerate() if t.name == self._linger_name()]
+        for t in mine:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return bool(mine)
 
     def _probe_occupied(self, err: PortInUseError) -> StoreClient:
         """Rank 0 could not bind: if an rrefrt store holds the port (another rank 0, of this
@@ -348,7 +384,7 @@ class Rendezvous:
             ) from None
         if missing:
             ranks = ", ".join(k.split("/")[1] for k in missing)
-            msg = f"{where}, but rank(s) {ranks} never joined (world_size={spec.world_size})"
+            msg = f"{where}, but rank(s) {ranks} never joined (world_size={spec.world_size}){self._refused_hint()}"
             self._abort(msg, conflict=False)
             raise RendezvousError(msg)
         records = [self._get(k) for k in keys]
@@ -422,10 +458,22 @@ class Rendezvous:
             self._abort(problem, parties)
             raise RendezvousError(problem)
 
+    def _refused_hint(self) -> str:
+        """NOTE [Refused store clients]: on the host, what its store refused (addresses only)."""
+        server = self.server
+        if server is None or not server.refused:
+            return ""
+        return (
+            f"; meanwhile the rendezvous store refused {server.refused} connection(s) that did not prove the job's "
+            f"secret (the latest from {server.refused_from[-1]}): a worker started with another RREFRT_SECRET, or "
+            "another program; see docs/security.md"
+        )
+
     def _check_auth_failures(self) -> None:
-        """The host of the store: a client refused for its secret while ranks are still
-        missing 2 s later (_AUTH_GRACE: a stray connection cannot abort a join that
-        completes) fails the join on every worker, naming the refused process."""
+        """The host of the store: a process of this user on this host refused for its secret
+        while ranks are still missing 2 s later (_AUTH_GRACE: a stray connection cannot abort
+        a join that completes) fails the join on every worker, naming the refused process.
+        Nobody else's refusal counts (NOTE [Refused store clients])."""
         if self.server is None or not self.server.auth_failures:
             return
         now = time.monotonic()
@@ -557,19 +605,31 @@ class Rendezvous:
     def close(self, failed: bool = False) -> None:
         """Close the client (and the server, if hosted here). After a failed join the
         host keeps the store up until the group has read the error (NOTE [Conflicts])."""
-        store = self.store
+        store, server = self.store, self.server
         if store is not None and failed and hasattr(self, "prefix"):
             try:
                 store.set(f"rpc/done/{self._n}", b"1")
-                if self.server is not None:
-                    self._linger(time.monotonic() + _LINGER_S)
             except Exception:
                 pass
+            if server is not None:  # NOTE [Conflicts]: the caller reports its error now, the store lingers
+                self.server = None
+                threading.Thread(target=self._linger_then_close, args=(time.monotonic() + _LINGER_S, server),
+                                 name=self._linger_name(), daemon=False).start()
+                return
         if store is not None:
             store.close()
-        if self.server is not None:
-            self.server.close()
+        if server is not None:
+            server.close()
             self.server = None
+
+    def _linger_then_close(self, deadline: float, server: StoreServer) -> None:
+        try:
+            self._linger(deadline)
+        except Exception:
+            pass
+        finally:
+            self.store.close()
+            server.close()
 
 
 __all__ = ["Record", "GroupSpec", "DYNAMIC", "Rendezvous", "RendezvousError", "InvalidRankError", "TorchStore",

@@ -17,6 +17,17 @@ NOTE [Store hardening] (issue 11 item 13)
     before any request is read: a client without the secret (or with another one) is
     refused and cannot read or write a key; the client checks the server's proof too, so a
     forged store cannot feed it forged addresses.
+  - NOTE [Refused clients]: a refused connection is refused and forgotten. Its handshake
+    is unauthenticated, so nothing it says (the identity field included) reaches a log line,
+    an error or ``auth_failures``, and nothing it does changes the store's state: only its
+    address is counted (``refused``, ``refused_from``: the latest 16). The one exception is
+    a client that the kernel shows to be a process of this store's own user on this host
+    (``rrefrt.group.store_peer.local_peer_uid``, looked up while it still waits for the answer):
+    it is inside the trust boundary already (it could read the secret from the workers'
+    environment), almost always a worker started with another secret, and its claimed
+    identity goes into ``auth_failures`` so the rendezvous can fail fast naming it. A flood
+    of refusals cannot turn that look-up into a CPU sink: after each, none runs for
+    ``_VERIFY_IDLE`` times its cost, and a refusal in between counts as a stranger's.
   - ``close()`` answers parked requests with CLOSED, so a client learns that the store
     retired (a re-initialising group reconnects to the next one) rather than timing out.
 
@@ -26,7 +37,8 @@ Wire format (one TCP connection per client, requests answered in order)::
     hello    (server, first)  head 0, fields: b"rrefrt-store/2", nonce_s, b"1" if auth else b"0",
                               the largest request it accepts (ascii int)
     auth     (client, if auth) head 0, fields: nonce_c, HMAC(secret, "client" nonce_s nonce_c)
-                               (empty without a secret), identity (text, for error messages)
+                               (empty without a secret), identity (text; used only when the
+                               client is a process of the store's own user: NOTE [Refused clients])
              (server answer)   status 0, field HMAC(secret, "server" nonce_s nonce_c) / status 2
     request  head = op;     response head = status: 0 ok, 1 timeout, 2 error, 3 store closed
 
@@ -52,6 +64,7 @@ import struct
 import threading
 import time
 
+from rrefrt.group.store_peer import local_peer_uid
 from rrefrt.group.store_wire import (
     _ADD, _CHECK, _CLOSED, _DELETE, _ERROR, _GET, _HANDSHAKE_S, _MAGIC, _OK, _SET, _TIMEOUT, _U32, _WAIT,
     PortInUseError, StoreAuthError, StoreClosed, StoreError, StoreLimits, StoreTimeout,
@@ -69,7 +82,11 @@ __all__ = [
     "PortInUseError",
 ]
 
-log = logging.getLogger("rrefrt.group.store")
+log = logging.getLogger("rrefrt.store")
+
+#: NOTE [Refused clients]: after a look-up of a refused client's owner, none for this many
+#: times its cost (so look-ups take at most a fifth of the store's thread)
+_VERIFY_IDLE = 4
 
 
 class _Conn:
@@ -101,8 +118,15 @@ class StoreServer:
         self._secret = secret_bytes(secret)
         #: who hosts the store (e.g. "worker 'w0' (rank 0)"), named to refused clients
         self.label = label
-        #: (monotonic time, the identity a refused client claimed): the latest 16
+        #: (monotonic time, the identity it claimed) of each refused client that the kernel
+        #: shows to be a process of this store's own user on this host: the latest 16
+        #: (NOTE [Refused clients]; nobody else's claim is ever kept)
         self.auth_failures: list[tuple[float, str]] = []
+        #: refused connections in all (strangers and the above)
+        self.refused = 0
+        #: the addresses ("host:port") of the latest 16 refused connections
+        self.refused_from: list[str] = []
+        self._verify_at = 0.0  #: monotonic time before which no owner look-up runs
         self.limits = limits or StoreLimits()
         self._data: dict[bytes, bytes] = {}  #: key -> value; keys stay until deleted
         self._bytes = 0
@@ -246,14 +270,35 @@ class StoreServer:
                 c.authed = True
                 self._send(c, _OK, [proof(self._secret, b"server", c.nonce, fields[0])])
                 return
-        # the identity is the client's unauthenticated claim: used in messages only
-        who = fields[2].decode(errors="replace")[:300] if len(fields) >= 3 and fields[2] else f"a client at {c.peer}"
-        log.warning("rendezvous store: %s failed to authenticate (no or wrong job secret)", who)
-        self.auth_failures = self.auth_failures[-15:] + [(time.monotonic(), who)]
+        self.refused += 1
+        self.refused_from = self.refused_from[-15:] + [c.peer]
+        ours = self._owned_by_us(c)
+        if ours and len(fields) >= 3 and fields[2]:  # NOTE [Refused clients]: a claim of our own user only
+            who = "".join(ch for ch in fields[2].decode(errors="replace")[:300] if ch.isprintable())
+            log.warning("rendezvous store: %s (a process of this user at %s) failed to authenticate (no or wrong "
+                        "job secret)", who, c.peer)
+            self.auth_failures = self.auth_failures[-15:] + [(time.monotonic(), who or f"a process at {c.peer}")]
+        elif ours:
+            log.warning("rendezvous store: a process of this user at %s failed to authenticate", c.peer)
+            self.auth_failures = self.auth_failures[-15:] + [(time.monotonic(), f"a process at {c.peer}")]
+        elif self.refused & (self.refused - 1) == 0:  # 1, 2, 4, 8, ...: a flood does not flood the log
+            log.warning("rendezvous store: refused %s, which did not prove the job secret (%d refused so far)",
+                        c.peer, self.refused)
         host = f" of {self.label}" if self.label else ""
         self._send(c, _ERROR, [f"authentication failed: the rendezvous store{host} needs the job secret".encode()])
         self._flush(c)
         self._drop(c)
+
+    def _owned_by_us(self, c: _Conn) -> bool:
+        """NOTE [Refused clients]: whether the kernel shows ``c``'s client to be a process of
+        this store's user on this host (rate-limited: False when asked too soon)."""
+        now = time.monotonic()
+        if now < self._verify_at:
+            return False
+        uid = local_peer_uid(c.sock)
+        took = time.monotonic() - now
+        self._verify_at = now + (_VERIFY_IDLE + 1) * took
+        return uid is not None and uid == os.geteuid()
 
     def _request(self, c: _Conn, op: int, f: list[bytes]) -> None:
         lim = self.limits
@@ -496,6 +541,8 @@ class StoreClient:
         except (OSError, ConnectionError, ValueError, struct.error):
             status, out = _ERROR, []
         said = out[0].decode(errors="replace") if status != _OK and out else "authentication failed"
+        # the store's own words (it names its host), unauthenticated: one printable line, bounded
+        said = "".join(ch for ch in said[:300] if ch.isprintable()) or "authentication failed"
         if self._secret is None:
             raise StoreAuthError(
                 f"{said} (at {where}) and this process has none: set the same RREFRT_SECRET "

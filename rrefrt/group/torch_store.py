@@ -17,7 +17,7 @@ from rrefrt.payload import torchimport
 from rrefrt.errors import RpcError
 from rrefrt.group.store import StoreError, StoreTimeout
 
-log = logging.getLogger("rrefrt.group.rendezvous")
+log = logging.getLogger("rrefrt.rendezvous")
 
 #: every rrefrt key in a store shared with torch lives under this prefix
 PREFIX = "rrefrt/"

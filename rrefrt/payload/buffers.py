@@ -57,7 +57,7 @@ from rrefrt.errors import RpcError, SerializationError
 __all__ = ["Route", "DeviceMapError", "TensorCodec", "register_codec", "codec_for", "reduce_tensor",
            "target_device", "LOCAL_ROUTE"]
 
-log = logging.getLogger("rrefrt.payload.buffers")
+log = logging.getLogger("rrefrt.buffers")
 
 #: rrefrt's globals that tensor payloads name (serialization admits them under any allowlist)
 REBUILD_GLOBALS = frozenset({"rrefrt.payload.buffers._rebuild_frames", "rrefrt.payload.buffers._rebuild_cuda_ipc"})

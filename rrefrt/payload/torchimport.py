@@ -43,7 +43,7 @@ import sys
 import threading
 from types import ModuleType
 
-log = logging.getLogger("rrefrt.payload.torchimport")
+log = logging.getLogger("rrefrt.torchimport")
 
 #: seconds a thread waits for another rrefrt thread's torch import before importing alone
 LOCK_WAIT = 60.0

@@ -51,7 +51,7 @@ from rrefrt.run.config import LaunchError
 
 __all__ = ["NodeInfo", "World", "rendezvous", "NodeMonitor", "secret_fingerprint", "secret_refused"]
 
-log = logging.getLogger("rrefrt.run.nodes")
+log = logging.getLogger("rrefrt.run.rendezvous")
 
 PREFIX = "launcher/"
 ABORT_KEY = PREFIX + "abort"

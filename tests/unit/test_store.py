@@ -3,14 +3,19 @@ threads, retirement, and its place in the error tree (issue 11 items 8 and 13)."
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 import rrefrt
+from rrefrt.group import store as store_mod
 from rrefrt.group.store import (
     PortInUseError,
     StoreAuthError,
@@ -21,7 +26,8 @@ from rrefrt.group.store import (
     StoreServer,
     StoreTimeout,
 )
-from tests.support import free_port, poll_for
+from rrefrt.group.store_peer import local_peer_uid
+from tests.support import ROOT, env_for, free_port, poll_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +64,8 @@ def test_operations(server):
     other.close()
 
 
-def test_a_client_without_or_with_a_wrong_secret_is_refused_and_cannot_write(server):
+def test_a_client_without_or_with_a_wrong_secret_is_refused_and_cannot_write(server, monkeypatch):
+    monkeypatch.setattr(store_mod, "_VERIFY_IDLE", 0)  # two refusals in a row are both looked up
     s = server(secret="job-secret")
     good = StoreClient("127.0.0.1", s.port, 5, secret="job-secret")
     good.set("worker/1", b"real")
@@ -66,7 +73,8 @@ def test_a_client_without_or_with_a_wrong_secret_is_refused_and_cannot_write(ser
         StoreClient("127.0.0.1", s.port, 2, identity="worker 'x'")
     with pytest.raises(StoreAuthError, match="refused this process's job secret"):
         StoreClient("127.0.0.1", s.port, 2, secret="guess")
-    assert s.auth_failures[0][1] == "worker 'x'" and s.auth_failures[1][1].startswith("a client at 127.0.0.1:")
+    # processes of this user (this test): their claims are kept, for the rendezvous to name them
+    assert s.auth_failures[0][1] == "worker 'x'" and s.auth_failures[1][1].startswith("a process at 127.0.0.1:")
     # a raw client that skips the handshake and sends a SET: dropped, nothing written
     raw = socket.create_connection(("127.0.0.1", s.port), timeout=5)
     body = bytes([1]) + struct.pack("!I", 8) + b"worker/1" + struct.pack("!I", 6) + b"forged"
@@ -83,6 +91,78 @@ def test_a_client_without_or_with_a_wrong_secret_is_refused_and_cannot_write(ser
     assert good.get("worker/1", 1) == b"real"
     assert isinstance(StoreAuthError("x"), rrefrt.AuthenticationError)
     good.close()
+
+
+def test_a_refused_strangers_claims_are_forgotten(server, monkeypatch, caplog):
+    """NOTE [Refused clients]: a refused client that is not a process of this user leaves
+    no trace but its address and a count: no claim in auth_failures or in any log line."""
+    monkeypatch.setattr(store_mod, "local_peer_uid", lambda sock: os.geteuid() + 1)  # another user
+    s = server(secret="job-secret")
+    text = "STRANGER-" + os.urandom(4).hex()
+    caplog.set_level(logging.DEBUG, logger="rrefrt")
+    for claim in (f"worker 'w1' {text}", f"rrefrt-run node 1 {text}", f"{text}\n\x1b[2J"):
+        with pytest.raises(StoreAuthError):
+            StoreClient("127.0.0.1", s.port, 2, secret="guess", identity=claim)
+    poll_for(lambda: s.refused == 3, 5, "three refusals")
+    assert s.auth_failures == [] and all(a.startswith("127.0.0.1:") for a in s.refused_from), s.refused_from
+    assert not [r for r in caplog.records if text in r.getMessage()], caplog.text
+    assert "refused 127.0.0.1:" in caplog.text  # the address is logged (at refusals 1, 2, 4, ...)
+    good = StoreClient("127.0.0.1", s.port, 5, secret="job-secret")
+    assert good.add("n", 1) == 1  # and the store serves its own clients as before
+    good.close()
+
+
+def test_a_forged_stores_refusal_text_is_one_bounded_printable_line():
+    """The refusal a client quotes is the store's unauthenticated word: control characters
+    and all but 300 characters of it are dropped."""
+    from rrefrt.group.store_wire import _MAGIC, pack
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        srv.settimeout(10)
+
+        def forged() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                conn.sendall(pack(0, [_MAGIC, b"n" * 32, b"1", b"1000"]))
+                conn.recv(4096)
+                conn.sendall(pack(2, [b"FORGED\n\x1b[2J" + b"x" * 5000]))
+
+        t = threading.Thread(target=forged)
+        t.start()
+        with pytest.raises(StoreAuthError) as info:
+            StoreClient("127.0.0.1", srv.getsockname()[1], 5, secret="job-secret")
+        t.join(10)
+    msg = str(info.value)
+    assert "FORGED" in msg and "\x1b" not in msg and "\n" not in msg and msg.count("x") < 400, msg
+
+
+def test_local_peer_uid_is_the_kernels_owner_of_the_client_socket():
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        srv.settimeout(10)
+        client = socket.create_connection(srv.getsockname(), timeout=5)
+        conn, _ = srv.accept()
+        with conn:
+            assert local_peer_uid(conn) == os.geteuid()
+            client.close()  # a closed client is never taken for an owner (TIME_WAIT is uid 0)
+            poll_for(lambda: local_peer_uid(conn) is None, 5, "the closed client is not an owner")
+        if os.geteuid() != 0:
+            return
+        # another user's client (root can become one): its uid, not ours
+        stranger = subprocess.Popen(
+            [sys.executable, "-c", "import encodings.idna, os, socket, sys; os.setgid(65534); os.setuid(65534); "
+             "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5); s.recv(1)",
+             str(srv.getsockname()[1])],
+            cwd=str(ROOT), env=env_for(),
+        )
+        try:
+            conn, _ = srv.accept()
+            with conn:
+                assert poll_for(lambda: local_peer_uid(conn), 5, "the stranger's socket") == 65534
+                conn.sendall(b"x")
+            assert stranger.wait(10) == 0
+        finally:
+            stranger.kill()
+            stranger.wait(5)
 
 
 def test_a_client_with_a_secret_refuses_a_store_without_authentication(server):
