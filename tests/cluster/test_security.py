@@ -386,13 +386,13 @@ def test_worker_with_another_secret_is_refused_naming_the_peer(w1_secret: str | 
 
 
 def gadget_through_rrefrt_module(marker: Path) -> bytes:
-    """A pickle naming ``os.system`` as ``rrefrt.runtime.root`` + ``os.system`` (pickle resolves
+    """A pickle naming ``os.system`` as ``rrefrt.runtime.core`` + ``os.system`` (pickle resolves
     dotted names through attributes): "anything in an rrefrt module" would let it through."""
     def text(t: str) -> bytes:
         b = t.encode()
         return pickle.SHORT_BINUNICODE + bytes([len(b)]) + b
 
-    return (b"\x80\x05" + text("rrefrt.runtime.root") + text("os.system") + pickle.STACK_GLOBAL
+    return (b"\x80\x05" + text("rrefrt.runtime.core") + text("os.system") + pickle.STACK_GLOBAL
             + text(f"touch {shlex.quote(str(marker))}") + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
 
 
@@ -423,7 +423,7 @@ def test_allowlist_rejects_other_classes_at_the_callee(tmp_path: Path) -> None:
         assert done.wait(10.0)
         assert got["error"] is None and got["meta"][0] == 1, got  # status ERROR
         assert isinstance(got["decoded"], rrefrt.SerializationError), got
-        assert "rrefrt.runtime.root.os.system' is not in the unpickling allowlist" in str(got["decoded"])
+        assert "rrefrt.runtime.core.os.system' is not in the unpickling allowlist" in str(got["decoded"])
         assert not marker.exists()
         assert rrefrt.rpc_sync("w1", fns.add, args=(2, 2)) == 4  # still serving
 
