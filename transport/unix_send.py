@@ -5,11 +5,14 @@ EVENT_WRITE. A mixin of ``UnixTransport``, split out to keep modules small; it u
 class's state and owns none of its own. Imports only the standard library and its siblings
 (never zmq, torch, rrefrt).
 
-NOTE [Send queue bound]: no thread ever waits for a peer to read. What the socket does not
-take at once is copied into the peer's queue (``outq``, or ``cur`` for the rest of a
-message half written) and written by whoever next holds the send lock, the receiver thread
-on EVENT_WRITE included; so ``request`` returns at once while a peer is stopped, or holds
-its GIL in a long C call, and calls to other peers never wait behind it. The queue is
+NOTE [Send queue bound]: no thread ever waits for a peer that does not read. A sending
+thread writes its own message, zero copy, for as long as the socket keeps taking bytes
+within ``_GRACE`` (5 ms; never past the request's deadline); what is left then, and every
+message that finds others queued ahead of it, is copied into the peer's queue (``outq``,
+or ``cur`` for the rest of a message half written) and written by whoever next holds the
+send lock, the receiver thread on EVENT_WRITE included. So ``request`` returns at once
+while a peer is stopped, or holds its GIL in a long C call, and calls to other peers never
+wait behind it. The queue is
 bounded per peer in bytes (``extra["unix_queue_bytes"]``, 64 MiB by default; frames in
 shared memory do not count, only the bytes of the stream): a message that does not fit
 waits, on the sending thread, until the queue has room, at most until the request's own
@@ -38,6 +41,8 @@ from .errors import AgentClosed, MessageTooLarge
 _SEND_FLAGS = socket.MSG_NOSIGNAL
 _WAIT = 0.05  #: slice of a wait for room in the queue, between checks that the peer is still up
 _NUDGE = 0.005  #: slice of that wait while another thread holds the send lock
+#: a sending thread writes on its own message while the socket takes bytes within this long
+_GRACE = 0.005
 #: NOTE [Send queue bound]: the default bound of a peer's queue, in bytes
 QUEUE_BYTES = 64 << 20
 
@@ -51,6 +56,35 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+
+def _advance(views: list, n: int) -> list:
+    """What is left of ``views`` (bytes or byte memoryviews) once ``n`` bytes were written."""
+    if not n:
+        return [v for v in views if len(v)]
+    rest = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        rest.append(memoryview(v)[n:] if n else v)
+        n = 0
+    return rest
+
+
+def _immutable(b: Any) -> bool:
+    """Bytes, or a view of bytes: it cannot change once ``request`` returns (no copy)."""
+    return type(b) is bytes or (type(b) is memoryview and type(b.obj) is bytes)
+
+
+def _writable(sock: Any, timeout: float) -> bool:
+    """Whether ``sock`` takes bytes within ``timeout`` seconds (no lock is waited for)."""
+    p = select.poll()
+    try:
+        p.register(sock.fileno(), select.POLLOUT)
+    except (OSError, ValueError):
+        return False  # closed meanwhile: the caller sees the peer's death
+    return bool(p.poll(max(1, int(timeout * 1000))))
 
 
 class Send:
@@ -105,7 +139,7 @@ class Send:
             bufs = unix_wire.encode(kind, msg_id, meta, frames)
             if peer.qbytes and not self._room(peer, len(bufs[0]), deadline):
                 return False
-            ok = self._write(peer, bufs, ())
+            ok = self._write(peer, bufs, (), deadline)
             self._n_sent += ok
             return ok
         views = [f if isinstance(f, bytes) else memoryview(f).cast("B") for f in frames]
@@ -113,7 +147,7 @@ class Send:
         if peer.qbytes and not self._room(peer, sum(len(v) for v, f in zip(views, flags) if not f), deadline):
             return False
         if not any(flags):
-            ok = self._write(peer, unix_wire.encode(kind, msg_id, meta, views), ())
+            ok = self._write(peer, unix_wire.encode(kind, msg_id, meta, views), (), deadline)
             self._n_sent += ok
             return ok
         big = [v for v, f in zip(views, flags) if f]
@@ -128,7 +162,7 @@ class Send:
         seg.known_by.add(peer.spec.id)
         self._stats["shm_frames_sent"] += len(big)
         bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags))
-        if not self._write(peer, bufs, (seg.fd,) if attach else ()):
+        if not self._write(peer, bufs, (seg.fd,) if attach else (), deadline):
             self._pool.peer_gone(peer.spec.id)
             return False
         self._n_sent += 1
@@ -159,7 +193,8 @@ class Send:
                     finally:
                         peer.send_lock.release()
                     if not emptied and peer.state == "up" and peer.qbytes + nbytes > bound:
-                        self._wait_writable(peer.sock, left)
+                        if peer.sock is not None:
+                            _writable(peer.sock, left)
                 else:  # another thread writes: it notifies when a message is out
                     with peer.room:
                         if peer.qbytes + nbytes > bound:
@@ -169,30 +204,18 @@ class Send:
                 peer.waiting -= 1
         return True
 
-    @staticmethod
-    def _wait_writable(sock: Any, timeout: float) -> None:
-        """Wait (no lock held) until ``sock`` takes bytes, at most ``timeout`` seconds."""
-        if sock is None:
-            return
-        p = select.poll()
-        try:
-            p.register(sock.fileno(), select.POLLOUT)
-        except (OSError, ValueError):
-            return  # closed meanwhile: the caller sees the peer's death
-        p.poll(max(1, int(timeout * 1000)))
-
-    def _write(self: Any, peer: Any, bufs: list, fds: Sequence[int]) -> bool:
+    def _write(self: Any, peer: Any, bufs: list, fds: Sequence[int], deadline: float | None = None) -> bool:
         """Write one message to ``peer`` now, or queue it behind what is queued (Rule 1 of
-        ``transport.unix``, NOTE [Send queue bound]): never waits for the peer to read; what
-        the socket does not take is copied (unless immutable: bytes) and written on
-        EVENT_WRITE. False if the peer is gone."""
+        ``transport.unix``, NOTE [Send queue bound]): never waits for a peer that does not
+        read (``_write_now``); what the socket does not take is copied (unless immutable:
+        bytes) and written on EVENT_WRITE. False if the peer is gone."""
         if not fds and peer.state == "up" and not self._closing and peer.send_lock.acquire(blocking=False):
             # the fast path: the lock is free; with nothing queued or half-written ahead of this
             # message (checked under the lock: a message of this thread queued earlier must go
             # first) it is written at once, without a place in the queue
             try:
                 direct = not peer.outq and peer.cur is None
-                ok = self._write_now(peer, bufs) if direct else True
+                ok = self._write_now(peer, bufs, deadline) if direct else True
             finally:
                 peer.send_lock.release()
             if direct:
@@ -201,7 +224,7 @@ class Send:
                 return ok
         if peer.state == "dead":
             return False
-        snap = [b if type(b) is bytes else bytes(b) for b in bufs]
+        snap = [b if _immutable(b) else bytes(b) for b in bufs]
         size = sum(len(b) for b in snap)
         with peer.q_lock:
             peer.outq.append((snap, fds, size))
@@ -209,10 +232,12 @@ class Send:
         self._try_flush(peer, force=threading.get_ident() != self._lead.leader)
         return peer.state != "dead"
 
-    def _write_now(self: Any, peer: Any, bufs: list) -> bool:
-        """Write one message directly (send lock held, nothing queued or half-written). What
-        the socket does not take becomes ``peer.cur`` (a snapshot: the caller's buffers may
-        change once it returns), written on EVENT_WRITE."""
+    def _write_now(self: Any, peer: Any, bufs: list, deadline: float | None) -> bool:
+        """Write one message directly (send lock held, nothing queued or half-written). A
+        sending thread that is not the receiver's goes on writing its own message, zero copy,
+        for as long as the socket keeps taking bytes within ``_GRACE`` (the peer reads) and
+        ``deadline`` has not passed. The rest becomes ``peer.cur`` (a snapshot: the caller's
+        buffers may change once it returns), written on EVENT_WRITE."""
         sock = peer.sock
         if sock is None:
             return False
@@ -224,24 +249,23 @@ class Send:
             self._broken(peer, f"its socket failed: {e.strerror or e}")
             return False
         self._bytes_sent += n
-        if len(bufs) == 1 and type(bufs[0]) is bytes:
-            if n == len(bufs[0]):
-                return True
-            rest: list = [memoryview(bufs[0])[n:]]  # bytes cannot change: no copy
-        else:
-            rest = []
-            for b in bufs:
-                v = b if type(b) is bytes else memoryview(b).cast("B")
-                if n >= len(v):
-                    n -= len(v)
-                    continue
-                if type(v) is bytes:
-                    rest.append(memoryview(v)[n:] if n else v)
-                else:
-                    rest.append(bytes(v[n:]) if n else bytes(v))
-                n = 0
-            if not rest:
-                return True
+        if len(bufs) == 1 and type(bufs[0]) is bytes and n == len(bufs[0]):
+            return True
+        rest = _advance([b if type(b) is bytes else memoryview(b).cast("B") for b in bufs], n)
+        if rest and n and threading.get_ident() != self._lead.leader:
+            while rest and (deadline is None or time.monotonic() < deadline) and _writable(sock, _GRACE):
+                try:
+                    n = sock.sendmsg(rest, (), _SEND_FLAGS)
+                except BlockingIOError:
+                    n = 0
+                except OSError as e:
+                    self._broken(peer, f"its socket failed: {e.strerror or e}")
+                    return False
+                self._bytes_sent += n
+                rest = _advance(rest, n)
+        if not rest:
+            return True
+        rest = [v if _immutable(v) else bytes(v) for v in rest]
         size = sum(len(v) for v in rest)
         with peer.q_lock:
             peer.qbytes += size
