@@ -90,6 +90,18 @@ def call_and_time(to: str, seconds: float) -> dict:
         return {"error": type(e).__name__, "message": str(e), "at": time.monotonic()}
 
 
+def big_result_from(to: str, size: int) -> dict:
+    """Ask ``to`` for a result of ``size`` bytes; report how the call ended and how long it
+    took (issue 21 item 5: a result over this worker's max_message_size)."""
+    from tests.support.workerfns import big_result
+
+    t0 = time.monotonic()
+    try:
+        return {"error": None, "size": len(rrefrt.rpc_sync(to, big_result, args=(size,)))}
+    except rrefrt.RpcError as e:
+        return {"error": type(e).__name__, "message": str(e), "took": time.monotonic() - t0}
+
+
 # ---------------------------------------------------------------------------- stuck handlers
 
 _never_released = threading.Lock()

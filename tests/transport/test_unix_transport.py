@@ -21,7 +21,7 @@ from tests.support import poll_for
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
 from tests.support.unix_support import group
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig
-from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, PeerUnavailable, RequestTimeout
+from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, MessageTooLarge, PeerUnavailable, RequestTimeout
 from rrefrt_transport.unix.transport import UnixTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -186,7 +186,7 @@ def test_stranger_is_refused_before_anything_is_decoded() -> None:
     t = _listening(messages)
     try:
         path = t._listener.getsockname()
-        for junk in (b"RRU1" + b"\x00" * 44 + b"\x93\x01\x10\x00" * 100,  # id 0: not in the group
+        for junk in (b"RRU2" + b"\x00" * 52 + b"\x93\x01\x10\x00" * 100,  # id 0: not in the group
                      b"GET / HTTP/1.1\r\n" * 20):                        # not a peer at all
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(5)
@@ -418,3 +418,117 @@ def test_direct_writes_from_many_threads_stay_whole_and_in_order_through_a_full_
         hold0.set()
         t0.close()
         t1.close()
+
+
+# ---------------------------------------------------------------------------- issue 21
+def _stop(child: Any) -> None:
+    """SIGSTOP ``child`` and wait until it is stopped (kill returns before it is)."""
+    child.kill(signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{child.proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+    poll_for(stopped, 5, "the peer is stopped")
+
+
+def test_a_peer_that_does_not_read_never_blocks_request() -> None:
+    """Issue 21 item 2 (NOTE [Send queue bound]): with a stopped peer whose socket is full,
+    ``request`` returns at once every time (it used to wait for buffer space for as long as
+    the peer lived: 11.4 s in the issue), each request fails at its own deadline naming the
+    worker, and a call to another peer meanwhile is answered at once."""
+    with group(2, heartbeat_timeout=30.0) as g:
+        assert g.join_error is None
+        n, timeout, payload = 6000, 2.0, bytes(3 << 10)  # 18 MB: more than twice what the socket takes
+        done: queue.Queue = queue.Queue()
+        took: list[float] = []
+
+        def sender() -> None:
+            for i in range(n):
+                t0 = time.monotonic()
+                g.t.request(1, ECHO, i, [payload], timeout, lambda m, f, e, t0=t0: done.put((time.monotonic() - t0, e)))
+                took.append(time.monotonic() - t0)
+
+        _stop(g.children[0])
+        try:
+            th = threading.Thread(target=sender, daemon=True)
+            th.start()
+            th.join(timeout + 10)
+            assert not th.is_alive(), f"request blocked on the stopped peer ({len(took)} of {n} returned)"
+            queued = g.t._peers[1].qbytes
+            assert queued > 0, "the socket never filled: the test tests nothing"
+            t0 = time.monotonic()
+            meta, _, err = g.call(2, ECHO, "other", [payload])
+            other = time.monotonic() - t0
+            assert err is None and meta == "other" and other < 0.5, other
+            got = [done.get(timeout=timeout + 10) for _ in range(n)]
+            assert all(isinstance(e, RequestTimeout) and "'w1'" in str(e) for _, e in got), got[0]
+            late = [dt for dt, _ in got]
+            assert timeout <= min(late) and max(late) < timeout + 0.5, (min(late), max(late))
+            took.sort()
+            print(f"\n[issue 21.2] {n} requests of 3 KB to a stopped peer: request() took median "
+                  f"{took[n // 2] * 1e3:.3f} ms, max {took[-1] * 1e3:.1f} ms; {queued >> 10} KiB queued; a call to "
+                  f"another peer meanwhile {other * 1e3:.1f} ms; failed {min(late):.3f}-{max(late):.3f} s after sending")
+            assert took[-1] < 0.25, took[-1]
+        finally:
+            g.children[0].kill(signal.SIGCONT)
+        meta, _, err = g.call(1, ECHO, "back", [])  # resumed: the queue drains, calls work
+        assert err is None and meta == "back"
+        poll_for(lambda: g.t._peers[1].qbytes == 0, 10, "the queue drains")
+
+
+def test_a_full_send_queue_holds_a_caller_at_most_until_its_deadline() -> None:
+    """NOTE [Send queue bound]: the queue to a peer that does not read is bounded in bytes; a
+    request that finds it full waits for room at most until its own deadline, is then not
+    sent, and fails with RequestTimeout; a message without a deadline waits for room while
+    the peer is up, and goes once it reads again."""
+    bound = 256 << 10
+    with group(1, heartbeat_timeout=30.0, unix_queue_bytes=bound) as g:
+        assert g.join_error is None
+        peer, payload = g.t._peers[1], bytes(3 << 10)
+        _stop(g.children[0])
+        try:
+            for i in range(3000):  # fill the socket, then the queue
+                if peer.qbytes + len(payload) + 64 > bound:
+                    break
+                g.t.request(1, ECHO, i, [payload], 30.0, lambda m, f, e: None)
+            assert peer.qbytes + len(payload) + 64 > bound, peer.qbytes
+            got: queue.Queue = queue.Queue()
+            t0 = time.monotonic()
+            g.t.request(1, ECHO, "late", [payload], 0.5, lambda m, f, e: got.put((time.monotonic() - t0, e)))
+            returned = time.monotonic() - t0
+            dt, err = got.get(timeout=5)
+            assert 0.5 <= returned < 0.8 and 0.5 <= dt < 0.8, (returned, dt)
+            assert isinstance(err, RequestTimeout) and "'w1'" in str(err)
+            assert g.t.stats["send_queue_full_timeouts"] == 1 and peer.qbytes <= bound
+            sent = threading.Event()
+            th = threading.Thread(target=lambda: (g.t.send(1, ECHO, "oneway", [payload]), sent.set()), daemon=True)
+            th.start()
+            assert not sent.wait(0.3), "a message without a deadline overtook the bound"
+        finally:
+            g.children[0].kill(signal.SIGCONT)
+        assert sent.wait(10), "the waiting message went once the peer read again"
+        poll_for(lambda: peer.qbytes == 0, 10, "the queue drains")
+        assert g.call(1, ECHO, "back", [])[0] == "back"
+
+
+def test_the_receivers_smaller_limit_is_checked_at_the_sender_in_both_directions() -> None:
+    """Issue 21 item 5: limits are exchanged at admission; a message over the receiver's
+    limit raises MessageTooLarge at the sender, inline or through shared memory, and an
+    answer over the caller's limit is refused on the answering side."""
+    with group(1, max_message_size=8 << 20, child_extra={"max_message_size": 1 << 20}) as g:
+        assert g.join_error is None and g.t._peers[1].limit == 1 << 20
+        for frames in ([bytes((1 << 20) + 1)], [b"x", bytes(2 << 20)]):  # inline; shared memory
+            with pytest.raises(MessageTooLarge, match="limit of worker 'w1' of 1048576 bytes"):
+                g.t.request(1, ECHO, None, frames, 5.0, lambda m, f, e: None)
+        with pytest.raises(MessageTooLarge, match="'w1'"):
+            g.t.send(1, ECHO, None, [bytes(2 << 20)])
+        meta, frames, err = g.call(1, ECHO, "at", [bytes(1 << 20)])  # at its limit: crosses
+        assert err is None and meta == "at" and len(frames[0]) == 1 << 20
+        assert g.t.stats["messages_sent"] == 1
+    with group(1, max_message_size=1 << 20) as g:  # the other way: ours is the smaller one
+        meta, frames, err = g.call(1, BIG, {"n": 2 << 20}, [])
+        assert err is None and meta["error"] == "MessageTooLarge", meta
+        assert "limit of worker 'w0' of 1048576 bytes" in meta["message"], meta
+        meta, frames, err = g.call(1, BIG, {"n": 1 << 20}, [])
+        assert err is None and len(frames[0]) == 1 << 20

@@ -9,7 +9,8 @@ stdin: first line the peer table (list of {"id", "name", "incarnation", "address
 commands. End of stdin closes the transport and exits.
 
 Kinds served: ECHO answers with the request's meta and frames; IGNORE never answers;
-BIG answers with one frame of meta["n"] bytes (byte i = i % 251); HOLD keeps the frames of
+BIG answers with one frame of meta["n"] bytes (byte i = i % 251), or with {"error": type,
+"message": text} when the transport refuses that answer (over the caller's limit); HOLD keeps the frames of
 the request (so its shared memory stays mapped) and answers [held count].
 With "slow_send": true every write to a peer is cut to 32 KB with 5 ms pauses (a slow
 link, for the long-transfer liveness test).
@@ -27,6 +28,7 @@ from typing import Any, Sequence
 from rrefrt_transport.unix import shm
 from rrefrt_transport import auto  # noqa: F401 - registers "auto"
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig, create
+from rrefrt_transport.errors import TransportError
 from rrefrt_transport.unix.transport import UnixTransport
 
 ECHO, IGNORE, BIG, HOLD = 16, 17, 18, 19
@@ -66,7 +68,10 @@ def main() -> None:
         if kind == ECHO:
             t.respond(src, msg_id, meta, list(frames))
         elif kind == BIG:
-            t.respond(src, msg_id, None, [pattern(meta["n"])])
+            try:
+                t.respond(src, msg_id, None, [pattern(meta["n"])])
+            except TransportError as e:
+                t.respond(src, msg_id, {"error": type(e).__name__, "message": str(e)})
         elif kind == HOLD:
             held.append(frames)
             t.respond(src, msg_id, [len(held)])
@@ -80,7 +85,8 @@ def main() -> None:
         worker_id=cfg["id"], name=cfg["name"], incarnation=inc, kind=cfg.get("kind", "unix"),
         secret=secret.encode() if secret else None,
         heartbeat_interval=cfg.get("hb_interval", 1.0), heartbeat_timeout=cfg.get("hb_timeout", 3.0),
-        extra={k: cfg[k] for k in ("shm_threshold", "shm_copy_out", "auto_inner") if k in cfg},
+        extra={k: cfg[k] for k in ("shm_threshold", "shm_copy_out", "auto_inner", "unix_queue_bytes") if k in cfg},
+        **({"max_message_size": cfg["max_message_size"]} if "max_message_size" in cfg else {}),
     )
     t = create(tc, on_message, on_peer_dead)
     addr = t.listen()

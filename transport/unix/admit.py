@@ -67,9 +67,10 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
 
 
 def connect_and_admit(
-    spec: PeerSpec, my_id: int, my_inc: int, secret: bytes | None, timeout: float
-) -> socket.socket:
-    """Connect to ``spec``'s unix endpoint and pass its admission; return the socket."""
+    spec: PeerSpec, my_id: int, my_inc: int, my_limit: int, secret: bytes | None, timeout: float
+) -> tuple[socket.socket, int]:
+    """Connect to ``spec``'s unix endpoint and pass its admission; return the socket and the
+    peer's ``max_message_size`` (its WELCOME)."""
     path = spec.address.endpoints.get("unix")
     if not path:
         raise TransportError(f"worker {spec.name!r} published no same-host (unix) endpoint")
@@ -85,17 +86,17 @@ def connect_and_admit(
                 f"the same-host socket of worker {spec.name!r} ({path}) belongs to uid {uid}, not ours ({os.getuid()})",
                 [spec.name],
             )
-        rec, nonce_c = uw.hello(my_id, my_inc)
+        rec, nonce_c = uw.hello(my_id, my_inc, my_limit)
         s.sendall(rec)
         stage = "welcome"
         raw = _recv_exact(s, uw.WELCOME_LEN, deadline)
-        wid, inc, nonce_s = uw.parse_id(raw)
+        wid, inc, limit, nonce_s = uw.parse_id(raw)
         if wid != spec.id or inc != spec.incarnation:
             raise TransportError(
                 f"the same-host socket {path} answered as worker id {wid} (incarnation {inc}), "
                 f"not as {spec.name!r} (id {spec.id}, incarnation {spec.incarnation})"
             )
-        ids = ((my_id, my_inc), (spec.id, spec.incarnation))
+        ids = ((my_id, my_inc, my_limit), (spec.id, spec.incarnation, limit))
         if not hmac.compare_digest(raw[uw.HELLO_LEN :], uw.mac(secret, "acceptor", nonce_c, nonce_s, *ids)):
             raise AuthenticationFailed(
                 f"worker {spec.name!r} failed the same-host challenge (it holds a different job secret, "
@@ -107,7 +108,7 @@ def connect_and_admit(
         if _recv_exact(s, len(uw.ADMIT), deadline) != uw.ADMIT:
             raise uw.ProtocolError("bad admission answer")
         s.settimeout(None)
-        return s
+        return s, limit
     except (AuthenticationFailed, TransportError):
         s.close()
         raise
@@ -131,6 +132,7 @@ class _Conn:
     peer: PeerSpec | None = None
     nonce_c: bytes = b""
     nonce_s: bytes = b""
+    limit: int = 0  #: the connector's max_message_size (its HELLO)
 
 
 @dataclass
@@ -139,6 +141,7 @@ class Acceptor:
 
     my_id: int
     my_inc: int
+    my_limit: int  #: our max_message_size, told to every connector in WELCOME
     secret: bytes | None
     stats: Any
     group: dict[int, PeerSpec] | None = None
@@ -179,7 +182,8 @@ class Acceptor:
 
     def feed(self, fd: int) -> tuple[str, Any]:
         """Read what ``fd`` sent and advance its admission. Returns ("wait", None),
-        ("refused", sock) - stop watching it and close it - or ("admitted", (peer id, sock))."""
+        ("refused", sock) - stop watching it and close it - or ("admitted", (peer id, sock,
+        the peer's max_message_size))."""
         c = self.conns.get(fd)
         if c is None:
             return "wait", None
@@ -202,7 +206,7 @@ class Acceptor:
             if len(c.buf) < uw.HELLO_LEN or self.group is None:
                 return "wait", None
             try:
-                wid, inc, c.nonce_c = uw.parse_id(c.buf[: uw.HELLO_LEN])
+                wid, inc, c.limit, c.nonce_c = uw.parse_id(c.buf[: uw.HELLO_LEN])
             except uw.ProtocolError as e:
                 return self._drop(c, str(e))
             spec = self.group.get(wid)
@@ -210,14 +214,15 @@ class Acceptor:
                 return self._drop(c, f"it claims worker id {wid} (incarnation {inc}), which may not connect here")
             c.peer, c.buf, c.stage = spec, c.buf[uw.HELLO_LEN :], "proof"
             c.nonce_s = secrets.token_bytes(32)
-            ids = ((wid, inc), (self.my_id, self.my_inc))
+            ids = ((wid, inc, c.limit), (self.my_id, self.my_inc, self.my_limit))
+            mac_a = uw.mac(self.secret, "acceptor", c.nonce_c, c.nonce_s, *ids)
             try:
-                c.sock.send(uw.welcome(self.my_id, self.my_inc, c.nonce_s, uw.mac(self.secret, "acceptor", c.nonce_c, c.nonce_s, *ids)))
+                c.sock.send(uw.welcome(self.my_id, self.my_inc, self.my_limit, c.nonce_s, mac_a))
             except OSError as e:
                 return self._drop(c, f"send failed: {e}")
         if c.stage == "proof" and len(c.buf) >= uw.PROOF_LEN:
             assert c.peer is not None
-            ids = ((c.peer.id, c.peer.incarnation), (self.my_id, self.my_inc))
+            ids = ((c.peer.id, c.peer.incarnation, c.limit), (self.my_id, self.my_inc, self.my_limit))
             if not hmac.compare_digest(c.buf[: uw.PROOF_LEN], uw.mac(self.secret, "connector", c.nonce_c, c.nonce_s, *ids)):
                 self.stats["handshake_failures"] += 1
                 self.failed.setdefault(c.peer.id, time.monotonic())
@@ -230,7 +235,7 @@ class Acceptor:
                 return self._drop(c, f"send failed: {e}")
             del self.conns[c.sock.fileno()]
             self.admitted.add(c.peer.id)
-            return "admitted", (c.peer.id, c.sock)
+            return "admitted", (c.peer.id, c.sock, c.limit)
         return "wait", None
 
     def _drop(self, c: _Conn, why: str) -> tuple[str, Any]:

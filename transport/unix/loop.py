@@ -169,9 +169,9 @@ class Loop:
             self._sel.unregister(arg.fileno())
             arg.close()
         elif what == "admitted":
-            peer_id, sock = arg
+            peer_id, sock, limit = arg
             self._sel.unregister(sock.fileno())
-            self._admitted(peer_id, sock)
+            self._admitted(peer_id, sock, limit)
 
     def _writable(self: Any, peer: Any) -> None:
         peer.want_write = False
@@ -286,7 +286,7 @@ class Loop:
         for pid, segs in by_peer.items():
             peer = self._peers.get(pid)
             if peer is not None and peer.state == "up":
-                self._write(peer, unix_wire.encode(unix_wire.SHM_RELEASE, 0, segs, ()), (), block=False)
+                self._write(peer, unix_wire.encode(unix_wire.SHM_RELEASE, 0, segs, ()), ())
         self._watch_writes()
 
     def _dispatch(self: Any, peer: Any, kind: int, msg_id: int, meta: Any, frames: list) -> None:
@@ -333,7 +333,7 @@ class Loop:
         for pid, segs in by_peer.items():
             peer = self._peers.get(pid)
             if peer is not None and peer.state == "up":
-                self._write(peer, unix_wire.encode(unix_wire.SHM_FORGET, 0, segs, ()), (), block=False)
+                self._write(peer, unix_wire.encode(unix_wire.SHM_FORGET, 0, segs, ()), ())
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat(self: Any) -> None:
@@ -351,7 +351,7 @@ class Loop:
                 )
                 continue
             if not peer.outq and peer.cur is None:  # traffic already under way proves us alive
-                self._write(peer, ping, (), block=False)
+                self._write(peer, ping, ())
         self._watch_writes()
         for what, sock in self._acceptor.expire(now) if self._acceptor else ():
             self._admission(what, sock)
@@ -387,13 +387,16 @@ class Loop:
             except (KeyError, ValueError):
                 pass
             try:
-                peer.sock.shutdown(socket.SHUT_RDWR)  # a blocked sender wakes with an error
+                peer.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             if peer.send_lock.acquire(blocking=False):
                 peer.sock.close()
                 peer.send_lock.release()
-        peer.outq.clear()
+        with peer.room:  # a sender waiting for room sees the death (NOTE [Send queue bound])
+            peer.outq.clear()
+            peer.qbytes = 0
+            peer.room.notify_all()
         self._forget(self._pool.peer_gone(peer.spec.id))
         for mapping in peer.segs.values():
             shm.unmap(mapping)  # frames still referenced keep theirs until they go
@@ -415,7 +418,7 @@ class Loop:
         bye = unix_wire.encode(unix_wire.BYE, 0, None, ())
         for peer in list(self._peers.values()):
             if peer.state == "up":
-                self._write(peer, bye, (), block=False)
+                self._write(peer, bye, ())
         self._closing = True
         if threading.get_ident() == self._lead.leader:
             return  # called from a callback: the receiver thread shuts down when it returns

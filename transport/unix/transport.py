@@ -7,15 +7,16 @@ admission, request/response correlation, deadlines, timers and liveness. Registe
 
 Rules:
 
-1. Sending: the thread that holds the bytes writes them itself. Each peer has an ordered
-   queue and a send lock; a sender queues its message, takes the lock and writes the queue
-   up to and including its own message (so it returns only once its bytes are in the
-   kernel: the arguments are a snapshot when ``request`` returns). Whoever releases the
-   lock re-checks the queue, so a message queued meanwhile is never stranded. A sender that
-   finds the lock free and nothing queued or half-written (checked under the lock) writes
-   at once, without queueing (``unix_send``). The receiver thread never blocks on a send:
-   it writes only if the lock is free and the socket takes the bytes, and otherwise waits
-   for EVENT_WRITE.
+1. Sending: the thread that holds the bytes writes them itself, and never waits for the
+   peer to read. Each peer has an ordered queue and a send lock; a sender that finds the
+   lock free and nothing queued or half-written (checked under the lock) writes at once,
+   without queueing. What the socket does not take, and every message that finds others
+   ahead of it, is copied into the queue (the arguments are a snapshot when ``request``
+   returns) and written by whoever holds the lock next, or by the receiver thread on
+   EVENT_WRITE; whoever releases the lock re-checks the queue, so a message queued
+   meanwhile is never stranded. The queue is bounded in bytes per peer, and a message that
+   does not fit waits for room at most until its request's deadline (NOTE [Send queue
+   bound] in ``unix_send``); the receiver thread never waits at all.
 2. One receiver thread per process waits in a selector over every peer socket, the listening
    socket and a bell (eventfd). It reads whole messages, decodes the header once, and calls
    ``on_message`` or a request's ``on_done`` itself: no thread handoff on receipt. It also
@@ -53,18 +54,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from rrefrt_transport import hosts, wire
 from rrefrt_transport.unix import shm
-
 from rrefrt_transport.unix import wire as unix_wire
-
-from rrefrt_transport import wire
-from rrefrt_transport import hosts
 from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
 from rrefrt_transport.errors import AuthenticationFailed, PeerUnavailable, RequestTimeout, TransportError
 from rrefrt_transport.unix.admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
 from rrefrt_transport.unix.lead import Leadership, inline_enabled
 from rrefrt_transport.unix.loop import BELL, READ, Loop, Poller
-from rrefrt_transport.unix.send import Send
+from rrefrt_transport.unix.send import QUEUE_BYTES, Send
 
 log = logging.getLogger("rrefrt.transport")
 
@@ -103,15 +101,24 @@ class _Peer:
     pending: dict[int, _Pending] = field(default_factory=dict)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     q_lock: threading.Lock = field(default_factory=threading.Lock)
-    outq: collections.deque = field(default_factory=collections.deque)  #: (seq, buffers, fds)
-    cur: list | None = None  #: [seq, remaining memoryviews, fds] being written
-    queued: int = 0  #: seq of the last queued message
-    written: int = 0  #: seq of the last message fully written
+    outq: collections.deque = field(default_factory=collections.deque)  #: (buffers, fds, size) to write
+    cur: list | None = None  #: [remaining buffers, fds, size] of the message being written
+    #: bytes in ``outq`` and ``cur`` (a message counts whole until written); under ``q_lock``;
+    #: at most ``queue_bytes`` unless one message alone is larger (NOTE [Send queue bound])
+    qbytes: int = 0
+    waiting: int = 0  #: threads waiting for room in the queue (under ``q_lock``)
+    room: threading.Condition = field(init=False)  #: on ``q_lock``: notified when ``qbytes`` falls
     want_write: bool = False
     last_rx: float = 0.0
     rx_fds: collections.deque = field(default_factory=collections.deque)  #: fds received, not yet claimed
     segs: dict[int, Any] = field(default_factory=dict)  #: segment id -> our mapping of a segment it sent
     bye: bool = False
+    #: the largest payload we may send it: the smaller of our max_message_size and the one
+    #: it told at admission (0 until then)
+    limit: int = 0
+
+    def __post_init__(self) -> None:
+        self.room = threading.Condition(self.q_lock)
 
 
 class UnixTransport(Send, Loop):
@@ -127,6 +134,10 @@ class UnixTransport(Send, Loop):
         ex = config.extra
         self.shm_threshold: int = int(ex.get("shm_threshold", 256 << 10))  # 0 disables shared memory
         self.shm_copy_out: bool = bool(ex.get("shm_copy_out", False))
+        #: NOTE [Send queue bound] in unix_send: bytes queued per peer before senders wait
+        self.queue_bytes: int = int(ex.get("unix_queue_bytes", QUEUE_BYTES))
+        #: the smallest size limit of any peer and ours (``_check_size``'s fast path)
+        self._min_limit: int = config.max_message_size
         self._dir_base: str | None = ex.get("unix_dir")
         #: counters of rare events; the per-message ones are plain ints (cheaper), merged by ``stats``
         self._stats: collections.Counter = collections.Counter()
@@ -185,7 +196,7 @@ class UnixTransport(Send, Loop):
         s.listen(256)
         s.setblocking(False)
         self._listener = s
-        self._acceptor = Acceptor(self.id, self.incarnation, self.config.secret, self._stats)
+        self._acceptor = Acceptor(self.id, self.incarnation, self._own_limit(), self.config.secret, self._stats)
         return PeerAddress(host=host_key(), endpoints={"unix": path, "unix-host": host_key()})
 
     def start(self) -> None:
@@ -211,10 +222,11 @@ class UnixTransport(Send, Loop):
         for peer in sorted(table.values(), key=lambda p: p.spec.id):
             if peer.spec.id < self.id:
                 continue
-            sock = connect_and_admit(
-                peer.spec, self.id, self.incarnation, self.config.secret, max(0.0, deadline - time.monotonic())
+            sock, limit = connect_and_admit(
+                peer.spec, self.id, self.incarnation, self._own_limit(), self.config.secret,
+                max(0.0, deadline - time.monotonic()),
             )  # raises AuthenticationFailed / TransportError
-            self._call_soon(lambda peer=peer, sock=sock: self._admitted(peer.spec.id, sock))
+            self._call_soon(lambda peer=peer, sock=sock, limit=limit: self._admitted(peer.spec.id, sock, limit))
         with self._joined:
             while self._join_error is None and any(p.state == "joining" for p in table.values()):
                 left = deadline - time.monotonic()
@@ -251,8 +263,13 @@ class UnixTransport(Send, Loop):
         for c in list(acc.conns.values()):
             self._admission(*acc.advance(c))
 
-    def _admitted(self, peer_id: int, sock: socket.socket) -> None:
-        """Receiver thread: ``sock`` passed admission for ``peer_id``: it carries messages now."""
+    def _own_limit(self) -> int:
+        """Our max_message_size as admission tells it (a u64 on the wire)."""
+        return max(0, min(self.config.max_message_size, (1 << 64) - 1))
+
+    def _admitted(self, peer_id: int, sock: socket.socket, limit: int) -> None:
+        """Receiver thread: ``sock`` passed admission for ``peer_id``, whose max_message_size
+        is ``limit``: it carries messages now."""
         peer = self._peers.get(peer_id)
         if peer is None or peer.state != "joining" or self._closing:
             sock.close()
@@ -263,6 +280,8 @@ class UnixTransport(Send, Loop):
         except OSError:
             pass
         peer.sock, peer.reader = sock, unix_wire.Reader(self.config.max_message_size + wire.MAX_HEADER_BYTES)
+        peer.limit = min(self.config.max_message_size, limit)
+        self._min_limit = min(self._min_limit, peer.limit)
         peer.last_rx = time.monotonic()
         peer.state = "up"
         self._by_fd[sock.fileno()] = peer
@@ -275,7 +294,7 @@ class UnixTransport(Send, Loop):
         self, dest: int, kind: int, meta: Any, frames: Sequence[Any], timeout: float, on_done: OnDone, label: str = ""
     ) -> int:
         self._check_usable()
-        self._check_size(frames)
+        self._check_size(dest, frames)
         msg_id = next(self._ids)
         deadline = time.monotonic() + timeout if timeout > 0 else None
         p = _Pending(dest, deadline, timeout, on_done)
@@ -296,12 +315,14 @@ class UnixTransport(Send, Loop):
             self._call_soon(lambda: on_done(None, (), err))
             return msg_id
         self._arm(p, msg_id)
-        self._send_app(peer, kind, msg_id, meta, frames, label)
+        # not sent (its deadline passed before the queue had room, the peer died, we close):
+        # the request fails by its deadline, the death or the close
+        self._send_app(peer, kind, msg_id, meta, frames, label, deadline)
         return msg_id
 
     def send(self, dest: int, kind: int, meta: Any, frames: Sequence[Any] = (), msg_id: int = 0, label: str = "") -> None:
         self._check_usable()
-        self._check_size(frames)
+        self._check_size(dest, frames)
         if dest == self.id:
             self._local(kind, msg_id, meta, frames)
             return
@@ -309,7 +330,7 @@ class UnixTransport(Send, Loop):
         if peer is None or peer.state != "up":
             self._stats["dropped_to_dead"] += 1
             return
-        self._send_app(peer, kind, msg_id, meta, frames, label)
+        self._send_app(peer, kind, msg_id, meta, frames, label, None)
 
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
         self.send(dest, wire.RESPONSE, meta, frames, msg_id, label)

@@ -7,13 +7,18 @@ library and ``rrefrt_transport.wire`` (the header inside a message is ``wire.enc
 
 Admission (NOTE [Same-host admission] in docs/same-host.md), connector C, acceptor A::
 
-    C -> A  HELLO    magic "RRU1" | id u32 | incarnation u64 | nonce_c 32 bytes
-    A -> C  WELCOME  magic "RRU1" | id u32 | incarnation u64 | nonce_s 32 | mac_a 32
+    C -> A  HELLO    magic "RRU2" | id u32 | incarnation u64 | limit u64 | nonce_c 32 bytes
+    A -> C  WELCOME  magic "RRU2" | id u32 | incarnation u64 | limit u64 | nonce_s 32 | mac_a 32
     C -> A  PROOF    mac_c 32
     A -> C  ADMIT    b"OK!!"
 
-    mac_x = HMAC-SHA256(secret, label_x | nonce_c | nonce_s | id_c | inc_c | id_a | inc_a)
+    mac_x = HMAC-SHA256(secret, label_x | nonce_c | nonce_s | id_c | inc_c | limit_c | id_a | inc_a | limit_a)
     with label "rrefrt-unix-acceptor" / "rrefrt-unix-connector" (secret b"" when none).
+
+``limit`` is the sender's ``max_message_size``: the largest payload (the sum of a message's
+frames) it accepts. Each side refuses, at the call site, a message over the other's limit
+(``MessageTooLarge``), as the zmq transport does with the limit in its HELLO; the MACs
+cover both limits.
 
 Both sides also check SO_PEERCRED (the peer's uid must be ours) before reading a byte.
 
@@ -50,8 +55,8 @@ from rrefrt_transport import wire
 
 SHM_RELEASE, SHM_FORGET, BYE = 8, 9, 10
 
-MAGIC = b"RRU1"
-_ID = struct.Struct("<4sIQ32s")  # magic, id, incarnation, nonce
+MAGIC = b"RRU2"
+_ID = struct.Struct("<4sIQQ32s")  # magic, id, incarnation, limit (max_message_size), nonce
 HELLO_LEN = _ID.size
 WELCOME_LEN = _ID.size + 32
 PROOF_LEN = 32
@@ -72,27 +77,29 @@ class ProtocolError(ValueError):
 
 
 # ------------------------------------------------------------------ admission
-def hello(my_id: int, my_inc: int) -> tuple[bytes, bytes]:
+def hello(my_id: int, my_inc: int, my_limit: int) -> tuple[bytes, bytes]:
     nonce = secrets.token_bytes(32)
-    return _ID.pack(MAGIC, my_id, my_inc, nonce), nonce
+    return _ID.pack(MAGIC, my_id, my_inc, my_limit, nonce), nonce
 
 
-def parse_id(raw: bytes) -> tuple[int, int, bytes]:
-    """(id, incarnation, nonce) of a HELLO or of the start of a WELCOME."""
-    magic, wid, inc, nonce = _ID.unpack(raw[: _ID.size])
+def parse_id(raw: bytes) -> tuple[int, int, int, bytes]:
+    """(id, incarnation, limit, nonce) of a HELLO or of the start of a WELCOME."""
+    magic, wid, inc, limit, nonce = _ID.unpack(raw[: _ID.size])
     if magic != MAGIC:
-        raise ProtocolError("not an rrefrt same-host peer")
-    return wid, inc, nonce
+        raise ProtocolError("not an rrefrt same-host peer (or one of another version)")
+    return wid, inc, limit, nonce
 
 
-def mac(secret: bytes | None, role: str, nonce_c: bytes, nonce_s: bytes, c: tuple[int, int], a: tuple[int, int]) -> bytes:
+def mac(secret: bytes | None, role: str, nonce_c: bytes, nonce_s: bytes, c: tuple[int, int, int],
+        a: tuple[int, int, int]) -> bytes:
+    """``c`` and ``a``: (id, incarnation, limit) of the connector and of the acceptor."""
     label = b"rrefrt-unix-acceptor" if role == "acceptor" else b"rrefrt-unix-connector"
-    msg = label + nonce_c + nonce_s + struct.pack("<IQIQ", c[0], c[1], a[0], a[1])
+    msg = label + nonce_c + nonce_s + struct.pack("<IQQIQQ", *c, *a)
     return hmac.new(secret or b"", msg, hashlib.sha256).digest()
 
 
-def welcome(my_id: int, my_inc: int, nonce_s: bytes, mac_a: bytes) -> bytes:
-    return _ID.pack(MAGIC, my_id, my_inc, nonce_s) + mac_a
+def welcome(my_id: int, my_inc: int, my_limit: int, nonce_s: bytes, mac_a: bytes) -> bytes:
+    return _ID.pack(MAGIC, my_id, my_inc, my_limit, nonce_s) + mac_a
 
 
 # ------------------------------------------------------------------ framing
