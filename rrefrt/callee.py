@@ -3,7 +3,9 @@
 Owns: the arrival of PYTHON_CALL and PYTHON_REMOTE (deduplication, hand-off to the user
 pool), the execution of user functions (plain, ``@async_execution``, ``async def`` on the
 event loop thread), replies and acknowledgements, and serving fetches (pickling a value).
-Imports from rrefrt: errors, messages, rref_context, serialization.
+Imports from rrefrt: errors, messages, rref_context, serialization. The calls running
+here are in ``rt.inflight`` (rrefrt/inflight.py): arrival, start, answer; a
+CALL_STACK_QUERY about one is answered on the transport thread (``on_stack_query``).
 
 Threads: ``on_python_call`` / ``on_remote_request`` / ``on_fetch`` run on the transport
 thread and never unpickle; ``run_call`` runs on the user pool, or on the same-host
@@ -33,7 +35,8 @@ from .devices import NO_SCOPE
 from .errors import RemoteSerializationError, SerializationError, ShutdownError
 from .functions import is_async_execution, when_future_done
 from .pool import InlineWaits, PoolExhaustedError, acting_as
-from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
+from .inflight import TAG_MASK, WAITING, creation_key
+from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch, StackQuery
 from .rref_context import FAILED, READY, OwnerRecord
 
 log = logging.getLogger("rrefrt")
@@ -87,6 +90,7 @@ class Callee:
             self.finish(src, msg, msg_id, rec, None, err)
             return
         rt.lifecycle.track_call(+1, src)
+        rt.inflight.arrived((src, msg_id) if rec is None else creation_key(rec.rref_id), src)
         call = (src, msg, msg_id, frames, rrefs, rec)
         # NOTE [Inline calls] in transport/unix_lead.py: the thread that read it runs it
         if not self._inline_hook()(lambda: self._run_inline(self.run_call, call), lambda: self._submit(call)):
@@ -107,10 +111,12 @@ class Callee:
         except PoolExhaustedError as e:  # the hard cap of the compensating pool: fail this call, typed
             src, msg, msg_id, _frames, _rrefs, rec = call
             rt.lifecycle.track_call(-1, src)
+            rt.inflight.finished((src, msg_id) if rec is None else creation_key(rec.rref_id))
             self.finish(src, msg, msg_id, rec, None, e)
         except RuntimeError as e:  # a stopped pool (a queued inline call's fallback at close)
             src, msg, msg_id, _frames, _rrefs, rec = call
             rt.lifecycle.track_call(-1, src)
+            rt.inflight.finished((src, msg_id) if rec is None else creation_key(rec.rref_id))
             self.finish(src, msg, msg_id, rec, None, ShutdownError(f"worker {rt.info.name!r} is shutting down ({e})"))
 
     def _run_inline(self, fn: Callable[..., None], args: tuple) -> None:
@@ -159,6 +165,8 @@ class Callee:
         rt = self.rt
         frames, rrefs = call
         call.clear()
+        key = (src, msg_id) if rec is None else creation_key(rec.rref_id)
+        entry = rt.inflight.started(key, src)  # its stack can be asked for from now on
 
         def done(value: Any, exc: BaseException | None) -> None:
             try:
@@ -166,6 +174,7 @@ class Callee:
                     value = scope.finish(value)
                 self.finish(src, msg, msg_id, rec, value, exc)
             finally:
+                rt.inflight.finished(key)
                 rt.lifecycle.track_call(-1, src)
 
         with scope:
@@ -183,7 +192,10 @@ class Callee:
             # confirmed_by_owner() waits for it (NOTE [Early run] in docs/protocol.md)
             del rrefs, frames
             scope.use(args)
+            entry[1] = func
             self.invoke(func, args, kwargs, done)
+            if key in rt.inflight.incoming:  # it returned a future: no thread runs it now
+                entry[3] = WAITING
 
     def invoke(self, func: Any, args: tuple, kwargs: dict, done: Done) -> None:
         try:
@@ -239,6 +251,15 @@ class Callee:
             except Exception as e:
                 exc = e
         self.respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, rt.info.name), msg)
+
+    def on_stack_query(self, src: int, msg_id: int, msg: StackQuery, frames: Sequence[Any]) -> None:
+        """Transport thread (never the user pool: a full pool still answers): where is the
+        call ``msg`` names now (docs/stuck.md)? Reads one thread's stack, no user code."""
+        key = (src, msg.call_id | (msg_id & TAG_MASK)) if msg.rref_id is None else creation_key(msg.rref_id)
+        try:
+            self.rt.transport.respond(src, msg_id, self.rt.inflight.describe(key), [], "RESPONSE:" + msg.NAME)
+        except transport.TransportError:
+            log.debug("answer to worker %d's stack query dropped", src)
 
     def on_fetch(self, src: int, msg_id: int, msg: Fetch, frames: Sequence[Any]) -> None:
         """Transport thread: a fetch. A ready plain value is answered here, another ready one

@@ -6,6 +6,11 @@ serialization of outgoing payloads with their forks, the decoding of responses, 
 translation of transport errors into rrefrt's error tree (``translate``, the one place).
 Imports from rrefrt: errors, futures, messages, rref, rref_context, serialization.
 
+A call that times out while its callee is alive asks the callee where the call is (a
+CALL_STACK_QUERY, answered within ``STACK_WAIT``) and fails with that stack in its
+RpcTimeoutError (``ask_where``, ``where_error``; docs/stuck.md). The calls sent from here
+are in ``rt.inflight.outgoing`` until answered.
+
 Threads: the public calls run on the user's thread; response callbacks run on the
 transport thread, account for forks at once and decode the payload lazily (in the thread
 that reads the future, never the transport thread).
@@ -19,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import transport
 
+from . import debug
 from . import serialization as ser
 from .errors import (
     OwnerDiedError,
@@ -31,9 +37,15 @@ from .errors import (
 )
 from .creation import UNKNOWN
 from .futures import Future
-from .messages import ForkData, Fetch, OK, PythonCall, RemoteRequest, Response
+from .inflight import func_name
+from .messages import ForkData, Fetch, OK, PythonCall, RemoteRequest, Response, StackQuery
 from .rref import RRef, _invoke_on_owner
 from .rref_context import _NO_VALUE, FAILED, OwnerRecord, creation_site
+
+
+#: how long past a call's timeout its caller waits for the callee to say where the call is
+#: (a CALL_STACK_QUERY); without an answer by then it raises the plain timeout
+STACK_WAIT = 0.25
 
 
 def translate(err: BaseException, what: str, owner_of: str | None = None) -> BaseException:
@@ -73,7 +85,8 @@ class _Call:
     before the future completes. ``deletes``: piggybacked deletes, acknowledged by the
     answer (NOTE [Piggybacked deletes])."""
 
-    __slots__ = ("caller", "fut", "dest", "forks", "deletes", "before", "what", "owner_of", "func")
+    __slots__ = ("caller", "fut", "dest", "forks", "deletes", "before", "what", "owner_of", "func", "t0", "msg_id",
+                 "creation")
 
     def __init__(self, caller: "Caller", fut: Future[Any], dest: int, forks: list[Any]) -> None:
         self.caller, self.fut, self.dest, self.forks = caller, fut, dest, forks
@@ -82,6 +95,16 @@ class _Call:
         self.what: Callable[[], str] | None = None
         self.owner_of: Callable[[], str] | None = None
         self.func: Any = None
+        self.t0 = 0.0  #: when it was sent (monotonic), for debug info
+        self.msg_id = 0  #: its request's id (0: not sent yet)
+        #: the RRef id whose remote() creation a timeout asks about (a fetch), else None
+        self.creation: Any = None
+
+    def label(self) -> str:
+        """What the call is, for debug info and errors."""
+        if self.what is not None:
+            return self.what()
+        return f"rpc of {func_name(self.func)!r}"
 
     def error(self, err: BaseException) -> BaseException:
         """rrefrt's error for transport error ``err`` (``translate``), with its text."""
@@ -99,6 +122,8 @@ class _Call:
             if self.before is not None:
                 self.before()
             if err is not None:
+                if isinstance(err, transport.RequestTimeout) and caller.explain_timeout(self, err):
+                    return  # fails once the callee said where the call is (or did not, in time)
                 if self.forks and isinstance(err, transport.Fenced):
                     # NOTE [Fenced forks]: once fenced, a request fails with Fenced, sent
                     # or not, and every peer is dead to this worker. A fork it registered
@@ -111,6 +136,7 @@ class _Call:
                 return
             caller._complete(self.fut, self.dest, m, fr)
         finally:
+            caller.rt.inflight.outgoing.pop(id(self), None)
             caller.rt.lifecycle.track_outgoing(-1)
 
 
@@ -219,6 +245,7 @@ class Caller:
             self.flush_drops()
         call = _Call(self, fut, msg.dest, [])
         call.what, call.owner_of, call.before = lambda: f"to_here() of {rref!r}", lambda: repr(rref), forget
+        call.creation = rec.rref_id  # a fetch waits for the creation: a timeout asks about it
         self._send(call, msg.KIND, msg.NAME, msg.meta(), [], t)
 
     def fetch_error(self, rref: RRef[Any], err: BaseException) -> BaseException:
@@ -263,15 +290,82 @@ class Caller:
         """Send one request whose answer (or failure) ``call`` handles on the transport thread."""
         rt = self.rt
         rt.lifecycle.track_outgoing(+1)
+        call.t0 = time.monotonic()
+        outgoing = rt.inflight.outgoing
+        outgoing[id(call)] = call
         try:
-            rt.transport.request(call.dest, kind, meta, frames, timeout, call, name)
+            call.msg_id = rt.transport.request(call.dest, kind, meta, frames, timeout, call, name)
         except transport.TransportError as e:
+            outgoing.pop(id(call), None)
             rt.lifecycle.track_outgoing(-1)
             rt.control.deletes_delivered(call.dest, call.deletes, e)
             if call.before is not None:
                 call.before()
             self.abort_forks(call.forks)
             raise call.error(e) from None
+
+    # ------------------------------------------------------------------ where is my call?
+    def explain_timeout(self, call: "_Call", err: BaseException) -> bool:
+        """Transport thread: ``call`` timed out; ask its callee where it is and fail its
+        future with the answer (``where_error``) within ``STACK_WAIT``. False: not asked
+        (the callee is dead, or the call was never numbered): the caller fails it plainly."""
+        query = self.stack_query(call)
+        if query is None:
+            return False
+        plain, fut, dest = call.error(err), call.fut, call.dest
+        return self.ask_where(dest, query, lambda answer: fut._fail(self.where_error(plain, dest, answer)))
+
+    @staticmethod
+    def stack_query(call: "_Call") -> StackQuery | None:
+        """The CALL_STACK_QUERY about ``call`` (None: not sent yet, so not numbered)."""
+        if call.creation is not None:
+            return StackQuery(call.dest, 0, call.creation)
+        return StackQuery(call.dest, call.msg_id) if call.msg_id else None
+
+    def ask_where(self, dest: int, query: StackQuery, on_answer: Callable[[Any], None]) -> bool:
+        """Send ``query`` to ``dest``; ``on_answer(answer meta or None)`` runs once, on the
+        transport thread, within ``STACK_WAIT``. False (nothing sent, ``on_answer`` never
+        runs): ``dest`` is dead or unreachable."""
+        rt = self.rt
+        if dest != rt.info.id and not rt.transport.is_alive(dest):
+            return False
+
+        def done(meta: Any, frames: Sequence[Any], err: Any) -> None:
+            on_answer(meta if err is None else None)
+
+        try:
+            rt.transport.request(dest, query.KIND, query.meta(), [], STACK_WAIT, done, query.NAME)
+        except transport.TransportError:
+            return False
+        return True
+
+    def where_error(self, plain: BaseException, dest: int, answer: Any) -> BaseException:
+        """The timeout ``plain`` with what ``dest`` answered about the call (``InFlight.
+        describe``): where its handler is (``remote_stack``), or that it is still queued,
+        or waiting on the future it returned. No (or a malformed) answer: ``plain``."""
+        if not isinstance(plain, RpcTimeoutError) or type(answer) is not list or len(answer) != 4:
+            return plain
+        state, function, age, raw = answer
+        name = self.rt.worker_name(dest)
+        if type(age) not in (int, float) or type(function) is not str:
+            return plain
+        if state == "running":
+            frames = debug.decode_frames(raw)
+            if not frames:
+                return plain
+            text = (f"{plain}; {name} was at {debug.summary(frames)}, running {function!r} for {age:.1f}s. "
+                    f"Its stack (innermost last; all of it in the error's remote_stack):\n"
+                    f"{debug.format_frames(frames, debug.MESSAGE_FRAMES)}")
+            out = RpcTimeoutError(text.rstrip("\n"))
+            out.remote_stack = debug.format_frames(frames)
+            return out
+        if state == "queued":
+            return RpcTimeoutError(f"{plain}; {name} had not started it yet: it was queued for {age:.1f}s "
+                                   f"behind the calls running there (its user thread pool is busy)")
+        if state == "waiting":
+            return RpcTimeoutError(f"{plain}; {name} ran {function!r}, which returned a future that had not "
+                                   f"completed after {age:.1f}s")
+        return plain
 
     def flush_drops(self, dest: int | None = None) -> tuple:
         """NOTE [Drops]: send the deletes of dropped RRefs before this call - unless the

@@ -74,7 +74,7 @@ from .control import CreationLost
 from .errors import RpcTimeoutError, RRefCreationError, fresh
 from .futures import Future
 from .ids import ForkId
-from .messages import ERROR, OK, RemoteRequest, RemoteRet, Response, inline_value
+from .messages import ERROR, OK, RemoteRequest, RemoteRet, Response, StackQuery, inline_value
 from .rref_context import FAILED, PENDING, READY, OwnerRecord
 
 log = logging.getLogger("rrefrt")
@@ -250,10 +250,15 @@ class CreationTracker:
             cell.waiters.remove(p)
         rref, fut = p.release()
         if fut is not None:
-            fut._fail(RpcTimeoutError(
+            rec = rref._user_rec
+            err = RpcTimeoutError(
                 f"to_here() of {rref!r} timed out after {timeout:.3f}s (worker "
-                f"{self.rt.worker_name(rref._user_rec.owner)!r} did not answer the RRef's creation)"
-            ))
+                f"{self.rt.worker_name(rec.owner)!r} did not answer the RRef's creation)"
+            )
+            caller = self.rt.caller  # where is the creation? (docs/stuck.md)
+            query = StackQuery(rec.owner, 0, rec.rref_id)
+            if not caller.ask_where(rec.owner, query, lambda answer: fut._fail(caller.where_error(err, rec.owner, answer))):
+                fut._fail(err)
 
     def _fetch_now(self, p: Parked) -> None:
         """Transport thread: send the fetch of a parked to_here() (its creation was answered

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from . import debug
 from .collection import collect_fully
 from .errors import RpcError, RRefLeakError, ShutdownError
 
@@ -25,6 +26,9 @@ log = logging.getLogger("rrefrt")
 
 #: how long past its deadline a graceful shutdown may run before it is abandoned
 SHUTDOWN_GRACE = 1.0
+
+#: how long a shutdown that gave up waits for its callees to say where its calls are
+STUCK_WAIT = 0.25
 
 #: the runtime counters merged into get_debug_info's ``agent.*`` keys (same keys as before
 #: the runtime kept its own: the transport's and the runtime's counts are summed)
@@ -106,7 +110,50 @@ class Lifecycle:
         for key, n in rt.pool.stats().items():
             info[f"pool.{key}"] = n
         info["agent.dead_peers"] = len(rt.transport.dead_peers())
+        #: the calls in flight, both directions (rrefrt/inflight.py; docs/stuck.md)
+        info["calls_in_flight"] = self.calls_in_flight(stacks=False)
         return info
+
+    def calls_in_flight(self, stacks: bool) -> list[dict[str, Any]]:
+        """The calls running (or queued) here for peers, then those sent from here still
+        awaiting their answer; ``stacks``: each running one with its thread's stack."""
+        inflight, name = self.rt.inflight, self.rt.worker_name
+        return inflight.running_here(name, stacks) + inflight.sent_from_here(name)
+
+    def stuck_calls(self, wait: float) -> list[dict[str, Any]]:
+        """A shutdown gave up (docs/stuck.md): the calls in flight, a running one with its
+        stack, an outgoing one with where its callee has it (asked, ``wait`` at most)."""
+        rt = self.rt
+        calls = self.calls_in_flight(stacks=True)
+        answers: dict[int, Any] = {}
+        asked = threading.Condition()
+        sent = []
+        for call in list(rt.inflight.outgoing.values()):
+            query = rt.caller.stack_query(call)
+            if query is None:
+                continue
+
+            def got(answer: Any, key: int = id(call)) -> None:
+                with asked:
+                    answers[key] = answer
+                    asked.notify_all()
+
+            if rt.caller.ask_where(call.dest, query, got):
+                sent.append((id(call), call.msg_id))
+        deadline = time.monotonic() + wait
+        with asked:
+            while len(answers) < len(sent) and time.monotonic() < deadline:
+                asked.wait(max(0.0, deadline - time.monotonic()))
+            got_answers = dict(answers)
+        by_msg = {str(msg_id): got_answers.get(key) for key, msg_id in sent}
+        for item in calls:
+            answer = by_msg.get(item["id"]) if item["direction"] == "outgoing" else None
+            if type(answer) is list and len(answer) == 4 and answer[0] in ("running", "queued", "waiting"):
+                item["state"] = f"{answer[0]} on {item['peer']}"
+                frames = debug.decode_frames(answer[3])
+                if frames:
+                    item["stack"] = frames
+        return calls
 
     def close(self) -> None:
         """Stop everything; bounded; safe to call twice."""
@@ -123,6 +170,23 @@ class Lifecycle:
 
 
 # ---------------------------------------------------------------------------- graceful shutdown
+def format_stuck(worker: str, calls: list[dict[str, Any]]) -> str:
+    """The calls a shutdown gave up on, readable: one line each with where it is and its
+    innermost frames (the full stacks are in the error's ``stuck_calls``)."""
+    lines = [f"calls still in flight on {worker!r} (full stacks in the error's stuck_calls):"]
+    for c in calls:
+        if c["direction"] == "incoming":
+            line = f"  {c['function']!r} from {c['peer']!r}, {c['state']} for {c['age']:.1f}s"
+        else:
+            line = f"  {c['function']} to {c['peer']!r}, sent {c['age']:.1f}s ago, {c['state']}"
+        frames = c.get("stack")
+        if frames:
+            text = debug.format_frames(frames, 3).rstrip("\n")
+            line += f", at {debug.summary(frames)}:\n" + "\n".join("    " + x for x in text.split("\n"))
+        lines.append(line)
+    return "\n".join(lines)
+
+
 class LiveDead:
     """The transport's dead set, read afresh at every use, so that a barrier waiting in
     ``rendezvous`` stops waiting for a worker that dies while it waits (issue 11 item 4).
@@ -181,6 +245,19 @@ def shutdown_graceful(rt: Any, rdzv: Any, world_size: int, limit: float) -> Base
 
 
 def _graceful(rt: Any, rdzv: Any, world_size: int, deadline: float, phase: list[str] | None = None) -> BaseException | None:
+    """The steps; an error of a shutdown that found calls still in flight names them
+    (``format_stuck``; the list in its ``stuck_calls``)."""
+    stuck: list[dict[str, Any]] = []
+    error = _graceful_steps(rt, rdzv, world_size, deadline, phase, stuck)
+    if stuck and isinstance(error, ShutdownError):
+        out = ShutdownError(f"{error}\n{format_stuck(rt.info.name, stuck)}")
+        out.stuck_calls = stuck
+        return out
+    return error
+
+
+def _graceful_steps(rt: Any, rdzv: Any, world_size: int, deadline: float, phase: list[str] | None,
+                    stuck: list[dict[str, Any]]) -> BaseException | None:
     me = rt.info.id
     phase = phase if phase is not None else [""]
     dead = LiveDead(rt.transport.dead_peers)
@@ -199,6 +276,9 @@ def _graceful(rt: Any, rdzv: Any, world_size: int, deadline: float, phase: list[
             )
         phase[0] = "waiting for calls in flight"
         busy = not rt.wait_idle(deadline)
+        if busy:  # name them, with where they are (docs/stuck.md)
+            phase[0] = "describing the calls still in flight"
+            stuck.extend(rt.lifecycle.stuck_calls(STUCK_WAIT))
         phase[0] = "releasing RRefs"
         sites = rt.release_rrefs(deadline)
         phase[0] = "drained barrier"

@@ -13,6 +13,7 @@ or a test) from the callbacks given to ``make_transport``, never here.
     control     control.py  the control thread: protocol actions and retries (home-thread table)
     creation    creation.py remote() creation on both ends (NOTE [Creation acks])
     lifecycle   lifecycle.py calls in flight, wait_idle, release, debug info, close, shutdown
+    inflight    inflight.py the calls in flight in both directions (debug info, stack queries)
 
 Threads and what runs where:
     transport thread   decodes each message once (``messages.decode``), turns fork data into
@@ -43,6 +44,7 @@ from .creation import ACCEPT_DELAY_S, CreationTracker
 from .errors import ArgumentError, ShutdownError, WorkerUnavailableError
 from .futures import Future
 from .ids import ForkId, IdGenerator
+from .inflight import InFlight
 from .lifecycle import Lifecycle
 from .messages import (
     ChildAccept,
@@ -53,6 +55,7 @@ from .messages import (
     PythonCall,
     RemoteRequest,
     RemoteRet,
+    StackQuery,
     UserDelete,
     UserDeletes,
     decode,
@@ -98,6 +101,7 @@ class Runtime:
         ChildAccepts: ("runtime", "on_protocol"),
         UserDelete: ("runtime", "on_protocol"),
         UserDeletes: ("runtime", "on_protocol"),
+        StackQuery: ("callee", "on_stack_query"),
     }
 
     def __init__(self, info: WorkerInfo, options: RpcBackendOptions, make_transport: MakeTransport) -> None:
@@ -125,6 +129,8 @@ class Runtime:
         #: the validated device plan (routes per peer, the call scope), set by init_rpc after
         #: the rendezvous; None until then (and in unit tests: CPU tensors, no maps)
         self.devices: Any = None
+        #: the calls in flight here, both directions (rrefrt/inflight.py)
+        self.inflight = InFlight()
         self.lifecycle = Lifecycle(self)
         self.control = ControlLoop(self)
         self.creation = CreationTracker(self)

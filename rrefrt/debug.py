@@ -1,0 +1,208 @@
+"""Where a worker is stuck: capturing and formatting thread stacks, and the dump of a
+whole process (every thread's stack plus the calls in flight) that the job-wide dump
+collects (docs/stuck.md).
+
+Owns: the wire form of a stack (``[[file, line, function, source], ...]``, innermost last,
+as ``traceback.extract_stack`` gives it), its text (as ``traceback.format_list`` writes it),
+its one-line summary ("fns.py:12 in stuck (time.sleep)"), the trimming of the runtime's own
+frames, and the per-process dump written on SIGUSR1 (``install_dump_signal``). Standard
+library only: the runtime's parts import it, and so may a tool.
+
+Cost: nothing on the path of a call; a stack is read only when someone asks (a call's
+timeout, a shutdown that gives up, a dump), with ``sys._current_frames()``.
+
+The job-wide dump (NOTE [Job dump]): a worker started by ``rrefrt-run`` (or any worker
+whose environment names ``RREFRT_DEBUG_DIR``) installs a SIGUSR1 handler at ``init_rpc``
+and writes ``rank-<R>.ready`` (its pid) in that directory; on SIGUSR1 a short-lived thread
+writes ``rank-<R>.dump`` there (atomically: a temporary name, then a rename). The launcher
+signals only the workers that wrote a ready file (SIGUSR1 kills a process that has no
+handler), waits ``DUMP_WAIT`` at most for their dumps and prints them rank-prefixed. The
+directory is the job's own (0700, the launcher's), so only processes of the job's user can
+read a dump; only they can signal the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+log = logging.getLogger("rrefrt")
+
+#: the most frames a stack keeps (the innermost ones)
+MAX_FRAMES = 48
+#: how many of a stack's innermost frames an error's message shows (the rest: an attribute)
+MESSAGE_FRAMES = 6
+#: the environment variable naming the directory of the job-wide dump (NOTE [Job dump])
+DUMP_DIR_ENV = "RREFRT_DEBUG_DIR"
+#: how long the launcher (or ``python -m rrefrt.debug dump``) waits for the workers' dumps
+DUMP_WAIT = 3.0
+
+#: one frame on the wire: [file, line, function, source line]
+Frame = list
+
+
+def frames_of(frame: Any, trim: bool = True) -> list[Frame]:
+    """The stack ending at ``frame``, innermost last; ``trim``: without the runtime's own
+    frames above a user function (those of the pool and of ``Callee.invoke``)."""
+    summary = traceback.extract_stack(frame, limit=MAX_FRAMES)
+    out = [[f.filename, f.lineno or 0, f.name, (f.line or "").strip()] for f in summary]
+    if trim:
+        for i in range(len(out) - 1, -1, -1):
+            file, _, name, _ = out[i]
+            if name == "invoke" and file.endswith(os.path.join("rrefrt", "callee.py")):
+                return out[i + 1:] or out
+    return out
+
+
+def thread_frames(ident: int, trim: bool = True) -> list[Frame]:
+    """The stack of thread ``ident`` now (empty if that thread is gone)."""
+    frame = sys._current_frames().get(ident)
+    if frame is None:
+        return []
+    try:
+        return frames_of(frame, trim)
+    finally:
+        del frame
+
+
+def format_frames(frames: list[Frame], last: int | None = None) -> str:
+    """``frames`` as traceback formats a stack (innermost last); ``last``: only that many
+    of the innermost frames, with a line saying how many were left out."""
+    shown = frames if last is None or len(frames) <= last else frames[-last:]
+    summaries = [traceback.FrameSummary(f, int(n), fn, line=src or None, lookup_line=False) for f, n, fn, src in shown]
+    text = "".join(traceback.format_list(summaries))
+    if len(shown) < len(frames):
+        text = f"  ... {len(frames) - len(shown)} outer frame(s) left out\n" + text
+    return text
+
+
+def summary(frames: list[Frame]) -> str:
+    """One line for where a stack is: "fns.py:12 in stuck (time.sleep)" - the innermost
+    frame's file and line, its function, and the call its source line makes."""
+    if not frames:
+        return "an unknown place"
+    file, line, name, src = frames[-1]
+    where = f"{os.path.basename(file)}:{line} in {name}"
+    call = src.split("(", 1)[0].strip() if "(" in src else src.strip()
+    return f"{where} ({call})" if call else where
+
+
+def decode_frames(raw: Any) -> list[Frame]:
+    """A stack from the wire, checked (a malformed one is dropped, never trusted)."""
+    if type(raw) is not list:
+        return []
+    out: list[Frame] = []
+    for f in raw[-MAX_FRAMES:]:
+        if (type(f) is list and len(f) == 4 and type(f[0]) is str and type(f[1]) is int and type(f[2]) is str
+                and type(f[3]) is str):
+            out.append(f)
+    return out
+
+
+def all_threads_text() -> str:
+    """Every thread of this process with its stack (innermost last), as text."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    current = threading.get_ident()
+    frames = sys._current_frames()
+    try:
+        for ident, frame in frames.items():
+            if ident != current:  # not the dumping thread itself
+                stack = format_frames(frames_of(frame, trim=False))
+                parts.append(f"Thread {names.get(ident, '?')!r} ({ident}), innermost last:\n{stack}")
+    finally:
+        frames.clear()
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------- the job dump
+def dump_text(header: str, calls: Callable[[], str] | None) -> str:
+    """This process's dump: ``header``, the calls in flight (``calls()``), every thread."""
+    out = [header]
+    if calls is not None:
+        try:
+            out.append(calls())
+        except Exception as e:  # a dump must never fail for the runtime's state
+            out.append(f"calls in flight: could not be read ({type(e).__name__}: {e})")
+    out.append(all_threads_text())
+    return "\n".join(out) + "\n"
+
+
+def write_dump(directory: str, rank: int, header: str, calls: Callable[[], str] | None) -> str:
+    """Write this process's dump to ``<directory>/rank-<rank>.dump`` (atomically)."""
+    path = os.path.join(directory, f"rank-{rank}.dump")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(dump_text(header, calls))
+    os.replace(tmp, path)
+    return path
+
+
+def install_dump_signal(directory: str, rank: int, header: Callable[[], str], calls: Callable[[], str]) -> bool:
+    """NOTE [Job dump]: on SIGUSR1, write this process's dump in ``directory``. Only from the
+    main thread, and only where SIGUSR1 has no handler yet (a program's own stays). Writes
+    ``rank-<rank>.ready`` (this pid) so that the launcher knows it may signal us. False if
+    not installed."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        return False
+    try:
+        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None, _on_sigusr1):
+            return False
+        _state.update(directory=directory, rank=rank, header=header, calls=calls)
+        signal.signal(signal.SIGUSR1, _on_sigusr1)
+        ready = os.path.join(directory, f"rank-{rank}.ready")
+        with open(ready + ".tmp", "w", encoding="ascii") as f:
+            f.write(str(os.getpid()))
+        os.replace(ready + ".tmp", ready)
+        return True
+    except (OSError, ValueError) as e:
+        log.warning("the job dump (SIGUSR1) is not available on rank %d: %s", rank, e)
+        return False
+
+
+def uninstall_dump_signal() -> None:
+    """At shutdown: SIGUSR1 goes back to its default, the ready file goes."""
+    if not _state or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGUSR1) is _on_sigusr1:
+            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        os.unlink(os.path.join(_state["directory"], f"rank-{_state['rank']}.ready"))
+    except (OSError, ValueError):
+        pass
+    _state.clear()
+
+
+#: what the SIGUSR1 handler writes: directory, rank, header(), calls() (one per process:
+#: a process has one signal table)
+_state: dict[str, Any] = {}
+
+
+def _on_sigusr1(signum: int, frame: Any) -> None:
+    """On the main thread, between two bytecodes: hand the dump to a thread of its own, so
+    that the main thread (which may hold the runtime's locks) goes on at once."""
+    st = dict(_state)
+    if not st:
+        return
+    threading.Thread(target=_dump_now, args=(st,), name="rrefrt-dump", daemon=True).start()
+
+
+def _dump_now(st: dict[str, Any]) -> None:
+    try:
+        header = f"rank {st['rank']} (pid {os.getpid()}) at {time.strftime('%H:%M:%S')}: {st['header']()}"
+        write_dump(st["directory"], st["rank"], header, st["calls"])
+    except Exception:
+        log.exception("the job dump could not be written on rank %s", st.get("rank"))
+
+
+__all__ = [
+    "MAX_FRAMES", "MESSAGE_FRAMES", "DUMP_DIR_ENV", "DUMP_WAIT", "frames_of", "thread_frames", "format_frames",
+    "summary", "decode_frames", "all_threads_text", "dump_text", "write_dump", "install_dump_signal",
+    "uninstall_dump_signal",
+]
