@@ -245,21 +245,23 @@ def shutdown_graceful(rt: Any, rdzv: Any, world_size: int, limit: float) -> Base
 
 
 def _graceful(rt: Any, rdzv: Any, world_size: int, deadline: float, phase: list[str] | None = None) -> BaseException | None:
-    """The steps; an error of a shutdown that found calls still in flight names them
-    (``format_stuck``; the list in its ``stuck_calls``)."""
-    stuck: list[dict[str, Any]] = []
-    error = _graceful_steps(rt, rdzv, world_size, deadline, phase, stuck)
-    if stuck and isinstance(error, ShutdownError):
-        out = ShutdownError(f"{error}\n{format_stuck(rt.info.name, stuck)}")
-        out.stuck_calls = stuck
-        return out
+    """The steps; a shutdown that gives up while calls are still in flight here (either
+    way: for live or dead callers, or awaiting an answer) names them, with where they are
+    (``format_stuck``; the list in the error's ``stuck_calls``; docs/stuck.md)."""
+    phase = phase if phase is not None else [""]
+    error = _graceful_steps(rt, rdzv, world_size, deadline, phase)
+    if isinstance(error, ShutdownError) and (rt.inflight.incoming or rt.inflight.outgoing):
+        phase[0] = "describing the calls still in flight"
+        stuck = rt.lifecycle.stuck_calls(STUCK_WAIT)
+        if stuck:
+            out = ShutdownError(f"{error}\n{format_stuck(rt.info.name, stuck)}")
+            out.stuck_calls = stuck
+            return out
     return error
 
 
-def _graceful_steps(rt: Any, rdzv: Any, world_size: int, deadline: float, phase: list[str] | None,
-                    stuck: list[dict[str, Any]]) -> BaseException | None:
+def _graceful_steps(rt: Any, rdzv: Any, world_size: int, deadline: float, phase: list[str]) -> BaseException | None:
     me = rt.info.id
-    phase = phase if phase is not None else [""]
     dead = LiveDead(rt.transport.dead_peers)
 
     def names(ranks: list[int]) -> str:
@@ -276,9 +278,6 @@ def _graceful_steps(rt: Any, rdzv: Any, world_size: int, deadline: float, phase:
             )
         phase[0] = "waiting for calls in flight"
         busy = not rt.wait_idle(deadline)
-        if busy:  # name them, with where they are (docs/stuck.md)
-            phase[0] = "describing the calls still in flight"
-            stuck.extend(rt.lifecycle.stuck_calls(STUCK_WAIT))
         phase[0] = "releasing RRefs"
         sites = rt.release_rrefs(deadline)
         phase[0] = "drained barrier"

@@ -9,9 +9,12 @@ _release = threading.Event()
 _entered = threading.Event()
 
 
-def stuck(limit: float = 60.0) -> str:
-    """Blocks in time.sleep until ``release()`` (or ``limit`` seconds)."""
+def stuck(limit: float = 60.0, flag: str = "") -> str:
+    """Blocks in time.sleep until ``release()`` (or ``limit`` seconds); creates the file
+    ``flag`` (if given) once it runs."""
     _entered.set()
+    if flag:
+        open(flag, "w").close()
     deadline = time.monotonic() + limit
     while not _release.is_set() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -1,0 +1,146 @@
+"""Issue 23: a call that does not finish says where it is stuck (docs/stuck.md).
+
+Real processes and sockets on 127.0.0.1: this test process is w0, w1 a subprocess whose
+handlers block in a known function (tests/stuck_fns.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import rrefrt
+from rrefrt.caller import STACK_WAIT
+from tests import stuck_fns as fns
+from tests.support import free_port, poll_for
+
+T = 1.5  #: the calls' timeout
+#: how late past T + STACK_WAIT an error may come on this loaded machine (timers, GIL)
+SLACK = 0.75
+
+
+def _released(w: str = "w1") -> None:
+    rrefrt.rpc_sync(w, fns.release, timeout=10)
+    rrefrt.rpc_sync(w, fns.rearm, timeout=10)
+
+
+def _assert_names_stuck(err: rrefrt.RpcTimeoutError, took: float) -> None:
+    text = str(err)
+    assert "w1 was at stuck_fns.py:" in text and "in stuck (time.sleep)" in text, text
+    assert err.remote_stack is not None and "stuck_fns.py" in err.remote_stack, err.remote_stack
+    assert err.remote_stack.rstrip().endswith("time.sleep(0.01)"), err.remote_stack  # innermost last
+    assert isinstance(err, TimeoutError)
+    assert T <= took <= T + STACK_WAIT + SLACK, took
+
+
+@pytest.mark.timeout(90)
+def test_timeouts_say_where_the_handler_is(group):
+    group(2)
+    t0 = time.monotonic()
+    with pytest.raises(rrefrt.RpcTimeoutError) as e:
+        rrefrt.rpc_sync("w1", fns.stuck, timeout=T)
+    took_sync = time.monotonic() - t0
+    _assert_names_stuck(e.value, took_sync)
+    _released()
+
+    t0 = time.monotonic()
+    fut = rrefrt.rpc_async("w1", fns.stuck, timeout=T)
+    with pytest.raises(rrefrt.RpcTimeoutError) as e:
+        fut.wait()
+    took_async = time.monotonic() - t0
+    _assert_names_stuck(e.value, took_async)
+    _released()
+
+    rref = rrefrt.remote("w1", fns.stuck)
+    t0 = time.monotonic()
+    with pytest.raises(rrefrt.RpcTimeoutError) as e:
+        rref.to_here(timeout=T)
+    took_to_here = time.monotonic() - t0
+    assert "to_here()" in str(e.value)
+    _assert_names_stuck(e.value, took_to_here)
+    _released()
+
+    box = rrefrt.remote("w1", fns.StuckBox)
+    t0 = time.monotonic()
+    with pytest.raises(rrefrt.RpcTimeoutError) as e:
+        box.rpc_sync(timeout=T).stuck()
+    _assert_names_stuck(e.value, time.monotonic() - t0)
+    _released()
+    print(f"\ntimeouts of {T}s name the stuck handler after: rpc_sync {took_sync:.3f}s, rpc_async "
+          f"{took_async:.3f}s, to_here {took_to_here:.3f}s (bound T + {STACK_WAIT}s + {SLACK}s)")
+
+
+@pytest.mark.timeout(90)
+def test_a_queued_call_says_so(group, tmp_path):
+    group(2, peer_options={"num_worker_threads": 1})
+    flag = tmp_path / "entered"
+    blocker = rrefrt.rpc_async("w1", fns.stuck, args=(4, str(flag)), timeout=30)  # returns after 4 s
+    poll_for(flag.exists, 10, "the stuck handler started")  # w1's only pool thread is taken
+    t0 = time.monotonic()
+    with pytest.raises(rrefrt.RpcTimeoutError) as e:
+        rrefrt.rpc_sync("w1", fns.quick, timeout=1.0)
+    took = time.monotonic() - t0
+    assert "w1 had not started it yet: it was queued" in str(e.value), str(e.value)
+    assert e.value.remote_stack is None and took <= 1.0 + STACK_WAIT + SLACK, took
+    assert blocker.wait() == "released"  # (a release() would queue behind it)
+
+
+@pytest.mark.timeout(90)
+def test_a_callee_holding_the_gil_gives_the_plain_timeout(group):
+    group(2)
+    fut = rrefrt.rpc_async("w1", fns.hold_the_gil, args=(10 ** 12,), timeout=0)  # never returns in the test
+    del fut
+    t0 = time.monotonic()
+    with pytest.raises(rrefrt.RpcTimeoutError) as e:
+        rrefrt.rpc_sync("w1", fns.quick, timeout=1.0)
+    took = time.monotonic() - t0
+    assert e.value.remote_stack is None and "was at" not in str(e.value), str(e.value)
+    assert took <= 1.0 + STACK_WAIT + SLACK, took
+    print(f"\na callee holding the GIL: plain timeout after {took:.3f}s")
+
+
+@pytest.mark.timeout(90)
+def test_a_shutdown_that_gives_up_names_the_running_handler_and_where(workers, tmp_path):
+    port, go = free_port(), str(tmp_path / "go")
+    w1 = workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": {"init_timeout": 30},
+                        "module": "tests.failure_scenarios", "scenario": "ready_then_shutdown_on_go", "go": go,
+                        "shutdown_timeout": 2.0})
+    opts = rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", init_timeout=30, shutdown_timeout=2.0)
+    rrefrt.init_rpc("w0", rank=0, world_size=2, rpc_backend_options=opts)
+    try:
+        assert w1.stdout.readline().strip() == "READY"
+        rrefrt.rpc_async("w1", fns.stuck, args=(20,), timeout=0)
+        poll_for(lambda: rrefrt.rpc_sync("w1", fns.entered, timeout=10), 10, "the stuck handler started")
+        # a monitoring thread's view, no timeout needed: both directions, with their state
+        mine = rrefrt.get_debug_info()["calls_in_flight"]
+        assert [(c["direction"], c["function"], c["peer"], c["state"]) for c in mine] == [
+            ("outgoing", "rpc of 'stuck'", "w1", "awaiting answer")], mine
+        theirs = rrefrt.rpc_sync("w1", rrefrt.get_debug_info, timeout=10)["calls_in_flight"]
+        running = [c for c in theirs if c["direction"] == "incoming" and c["state"] == "running"]
+        # oldest first: the stuck handler, then this very get_debug_info call
+        assert [(c["function"], c["peer"]) for c in running] == [("stuck", "w0"), ("get_debug_info", "w0")], theirs
+        assert running[0]["age"] > 0 and running[0]["id"] == mine[0]["id"]
+        open(go, "w").close()
+        t0 = time.monotonic()
+        with pytest.raises(rrefrt.ShutdownError) as e:
+            rrefrt.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        if rrefrt.state.current_or_none() is not None:
+            rrefrt.shutdown(graceful=False)
+    text = str(e.value)
+    # the caller's side: its call still outstanding, and where its callee has it
+    assert "calls still in flight on 'w0'" in text and "rpc of 'stuck' to 'w1'" in text, text
+    assert "running on w1, at stuck_fns.py:" in text and "in stuck (time.sleep)" in text, text
+    assert [c["function"] for c in e.value.stuck_calls] == ["rpc of 'stuck'"]
+    assert "stuck_fns.py" in e.value.stuck_calls[0]["stack"][-1][0]
+    # the callee's side: the handler still running there, its caller, its age and its stack
+    # (whichever way its shutdown gave up: waiting for the call, or w0 and its store gone)
+    out, _ = w1.communicate(timeout=30)
+    result = json.loads([ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    theirs_text = result["message"]
+    assert "calls still in flight on 'w1'" in theirs_text and "'stuck' from 'w0', running for" in theirs_text, out
+    assert theirs_text.startswith("shutdown of 'w1'") or "barrier" in theirs_text, out
+    assert "stuck_fns.py\", line" in theirs_text and "in stuck (time.sleep)" in theirs_text, out
+    print(f"\nshutdown gave up after {took:.2f}s (timeout 2 s):\nw0: {text}\nw1: {theirs_text}")
