@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import transport
 
-from . import profiling as _profiling, serialization, state
+from . import debug, profiling as _profiling, serialization, state
 from .autograd import _hooks as _autograd
 from .devices import DeviceInfo, DevicePlan
 from .errors import ArgumentError, AuthenticationError, RpcError, ShutdownError
@@ -24,7 +24,7 @@ from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo
 from .membership import MAX_RANKS, Membership, shutdown_dynamic
 from .rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
-from .lifecycle import shutdown_graceful
+from .lifecycle import format_calls, shutdown_graceful
 from .rref import RRef
 from .runtime import Runtime
 
@@ -163,6 +163,7 @@ def init_rpc(
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
         _profiling.install()  # when torch is imported: RPC calls show in its profiler
+        _install_dump(rt, spec.rank)
         log.info("worker %r (rank %d of %s) joined the group", name, spec.rank, spec.world_size or "a dynamic group")
 
 
@@ -232,6 +233,20 @@ def get_rpc_timeout() -> float:
     return state.current().options.rpc_timeout
 
 
+def _install_dump(rt: Runtime, rank: int) -> None:
+    """NOTE [Job dump] in rrefrt/debug.py: where the launcher named a dump directory,
+    SIGUSR1 writes this worker's threads and calls in flight there."""
+    directory = os.environ.get(debug.DUMP_DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return
+    name = rt.info.name
+
+    def calls() -> str:
+        return format_calls(f"calls in flight on {name!r}:", rt.lifecycle.calls_in_flight(stacks=True))
+
+    debug.install_dump_signal(directory, rank, lambda: f"worker {name!r}", calls)
+
+
 def get_debug_info() -> dict[str, Any]:
     return state.current().debug_info()
 
@@ -264,6 +279,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         finally:
             state.set_current(None)
             serialization.set_unpickle_allowlist(None)
+            debug.uninstall_dump_signal()
             rt.close()
             rdzv.close()
         if error is not None:

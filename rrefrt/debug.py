@@ -111,8 +111,9 @@ def all_threads_text() -> str:
     parts = []
     current = threading.get_ident()
     frames = sys._current_frames()
-    try:
-        for ident, frame in frames.items():
+    main = threading.main_thread().ident
+    try:  # the main thread first, then the others as the interpreter lists them
+        for ident, frame in sorted(frames.items(), key=lambda kv: kv[0] != main):
             if ident != current:  # not the dumping thread itself
                 stack = format_frames(frames_of(frame, trim=False))
                 parts.append(f"Thread {names.get(ident, '?')!r} ({ident}), innermost last:\n{stack}")

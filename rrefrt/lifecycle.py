@@ -173,7 +173,13 @@ class Lifecycle:
 def format_stuck(worker: str, calls: list[dict[str, Any]]) -> str:
     """The calls a shutdown gave up on, readable: one line each with where it is and its
     innermost frames (the full stacks are in the error's ``stuck_calls``)."""
-    lines = [f"calls still in flight on {worker!r} (full stacks in the error's stuck_calls):"]
+    return format_calls(f"calls still in flight on {worker!r} (full stacks in the error's stuck_calls):", calls)
+
+
+def format_calls(title: str, calls: list[dict[str, Any]]) -> str:
+    """``title``, then one line per call (``Lifecycle.calls_in_flight``) with where it is
+    and its three innermost frames."""
+    lines = [title] if calls else [f"{title} none"]
     for c in calls:
         if c["direction"] == "incoming":
             line = f"  {c['function']!r} from {c['peer']!r}, {c['state']} for {c['age']:.1f}s"

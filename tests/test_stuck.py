@@ -144,3 +144,47 @@ def test_a_shutdown_that_gives_up_names_the_running_handler_and_where(workers, t
     assert theirs_text.startswith("shutdown of 'w1'") or "barrier" in theirs_text, out
     assert "stuck_fns.py\", line" in theirs_text and "in stuck (time.sleep)" in theirs_text, out
     print(f"\nshutdown gave up after {took:.2f}s (timeout 2 s):\nw0: {text}\nw1: {theirs_text}")
+
+
+# ---------------------------------------------------------------------------- the job dump
+@pytest.mark.timeout(90)
+def test_sigusr1_to_rrefrt_run_dumps_every_worker_and_the_job_goes_on(tmp_path):
+    import signal
+    import threading
+
+    from rrefrt import debug
+    from rrefrt.run import dump
+    from tests.launcher_scripts.harness import SCRIPTS, Procs, finish
+
+    assert dump.DUMP_DIR_ENV == debug.DUMP_DIR_ENV  # the launcher names it without importing the runtime
+    procs = Procs()
+    try:
+        p = procs.launch(["--nproc-per-node", "2", f"{SCRIPTS}/stuck_job.py", str(tmp_path)])
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(x.decode(errors="replace") for x in p.stderr), daemon=True)
+        reader.start()
+        poll_for((tmp_path / "ready").exists, 60, "worker0's call to worker1 is stuck")
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGUSR1)
+
+        def dumped(rank: int) -> list[str]:
+            return [x for x in list(lines) if x.startswith(f"[rank {rank}] ")]
+
+        poll_for(lambda: any("calls in flight on 'worker0'" in x for x in dumped(0))
+                 and any("threading.py" in x for x in dumped(1)) and any("Thread " in x for x in dumped(1)), 20,
+                 lambda: "".join(lines))
+        took = time.monotonic() - t0
+        assert p.poll() is None  # the job goes on
+        one, zero = "".join(dumped(1)), "".join(dumped(0))
+        # worker1: the handler running for worker0, where it is, and every thread's stack
+        assert "'stuck' from 'worker0', running for" in one and "stuck_fns.py" in one and "in stuck" in one, one
+        assert "time.sleep(0.01)" in one
+        # worker0: its call still awaiting worker1's answer, and its main thread's stack
+        assert "rpc of 'stuck' to 'worker1'" in zero and "stuck_job.py" in zero, zero
+        (tmp_path / "go").touch()
+        rc, out, _ = finish(p, 60)
+        reader.join(5)
+        assert rc == 0 and "worker0: released" in out, (out, "".join(lines))
+        print(f"\nSIGUSR1 to rrefrt-run: both workers' dumps printed in {took:.2f}s; the job then finished (rc 0)")
+    finally:
+        procs.close()
