@@ -40,6 +40,7 @@ from .futures import Future
 from .inflight import func_name
 from .messages import ForkData, Fetch, OK, PythonCall, RemoteRequest, Response, StackQuery
 from .rref import RRef, _invoke_on_owner
+from .rref_audit import site_text
 from .rref_context import _NO_VALUE, FAILED, OwnerRecord, creation_site
 
 
@@ -62,6 +63,14 @@ def translate(err: BaseException, what: str, owner_of: str | None = None) -> Bas
     if isinstance(err, transport.AgentClosed):
         return ShutdownError(f"{what} failed: {err}")
     return err
+
+
+def rref_text(rref: Any) -> str:
+    """An RRef as errors about its owner name it: its repr and, where known, the place
+    that created it (the remote() call; ``UserRecord.site``)."""
+    rec = getattr(rref, "_user_rec", None)
+    site = site_text(rec.site) if rec is not None and rec.site else ""
+    return f"{rref!r} (created at {site})" if site else repr(rref)
 
 
 class WaitedFuture(Future[Any]):
@@ -157,7 +166,7 @@ class Caller:
         call.func = func  # the error's text names it (formatted only if the call fails)
         if func is _invoke_on_owner and args:  # a proxy call: the RRef (only it is kept)
             target = args[0]
-            call.owner_of = lambda: repr(target)  # noqa: E731
+            call.owner_of = lambda: rref_text(target)  # noqa: E731
         deletes = self.flush_drops(dest) if rt.control.drops else ()  # NOTE [Drops]
         call.deletes = deletes
         # the forks are in wire form already (dumps): PythonCall.meta without the round trip
@@ -189,8 +198,7 @@ class Caller:
             rt.pool.submit(rt.callee.run_call, dest, msg, 0, frames, rrefs, rec)
             return RRef._from_owner(rt, rec)
         urec = rt.ctx.new_remote_user(dest, tname, rt.timeout(timeout))
-        if rt.options.strict_rref_leaks:
-            urec.site = creation_site()
+        urec.site = creation_site()  # named by leak reports and OwnerDiedError (docs/stuck.md)
         # NOTE [Drops]; NOTE [Piggybacked deletes] in docs/protocol.md
         deletes = self.flush_drops(dest) if rt.control.drops else ()
         msg = RemoteRequest(dest, urec.rref_id, urec.fork_id, tname, fork_data, deletes)
@@ -244,13 +252,13 @@ class Caller:
         if flush and rt.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
             self.flush_drops()
         call = _Call(self, fut, msg.dest, [])
-        call.what, call.owner_of, call.before = lambda: f"to_here() of {rref!r}", lambda: repr(rref), forget
+        call.what, call.owner_of, call.before = lambda: f"to_here() of {rref!r}", lambda: rref_text(rref), forget
         call.creation = rec.rref_id  # a fetch waits for the creation: a timeout asks about it
         self._send(call, msg.KIND, msg.NAME, msg.meta(), [], t)
 
     def fetch_error(self, rref: RRef[Any], err: BaseException) -> BaseException:
         """The error of a to_here() of ``rref`` that failed with transport error ``err``."""
-        return translate(err, f"to_here() of {rref!r}", repr(rref))
+        return translate(err, f"to_here() of {rref!r}", rref_text(rref))
 
     def owner_value(self, rec: OwnerRecord, timeout: float) -> Any:
         rt = self.rt

@@ -34,6 +34,7 @@ from .functions import is_async_execution, is_future, wrong_return_type
 from .profiling import active as profiling_active, profiled_call, profiling_future
 from .futures import Future
 from .pool import current_pool
+from .rref_audit import site_text
 from .rref_context import READY, OwnerRecord, UserRecord
 
 __all__ = ["RRef"]
@@ -140,7 +141,8 @@ class RRef(Generic[T]):
                 )
             if rec.error is not None:
                 if isinstance(rec.error, OwnerDiedError):  # name the RRef and its owner
-                    raise OwnerDiedError(f"{self!r} cannot be used: {rec.error}")
+                    site = f" (created at {site_text(rec.site)})" if rec.site else ""
+                    raise OwnerDiedError(f"{self!r}{site} cannot be used: {rec.error}")
                 raise fresh(rec.error)
             if not rec.confirmed and rec.creation_deadline is not None and time.monotonic() > rec.creation_deadline:
                 _creation_timed_out(self, rec)

@@ -188,3 +188,24 @@ def test_sigusr1_to_rrefrt_run_dumps_every_worker_and_the_job_goes_on(tmp_path):
         print(f"\nSIGUSR1 to rrefrt-run: both workers' dumps printed in {took:.2f}s; the job then finished (rc 0)")
     finally:
         procs.close()
+
+
+@pytest.mark.timeout(90)
+def test_owner_died_names_where_the_rref_was_created(group):
+    procs = group(2)
+    rref = rrefrt.remote("w1", fns.StuckBox)  # the creation site the error must name
+    line = __import__("inspect").currentframe().f_lineno - 1
+    assert type(rref.to_here(timeout=10)).__name__ == "StuckBox"
+    group.workers.kill(procs["w1"])
+
+    def died() -> str:
+        try:
+            rref.to_here(timeout=2)
+        except rrefrt.OwnerDiedError as e:
+            return str(e)
+        except rrefrt.RpcError:
+            return ""
+        return ""
+
+    text = poll_for(died, 20, "to_here() raises OwnerDiedError")
+    assert f"test_stuck.py:{line} in test_owner_died_names_where_the_rref_was_created" in text, text
