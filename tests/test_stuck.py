@@ -11,11 +11,11 @@ import time
 import pytest
 
 import rrefrt
-from rrefrt.caller import STACK_WAIT
 from tests import stuck_fns as fns
 from tests.support import free_port, poll_for
 
 T = 1.5  #: the calls' timeout
+STACK_WAIT = 0.25  #: rrefrt.caller.STACK_WAIT: how long a timed-out caller waits for the stack
 #: how late past T + STACK_WAIT an error may come on this loaded machine (timers, GIL)
 SLACK = 0.75
 
