@@ -163,7 +163,7 @@ def init_rpc(
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
         _profiling.install()  # when torch is imported: RPC calls show in its profiler
-        _install_dump(rt, spec.rank)
+        _install_dump(rt, spec.rank, rdzv)
         log.info("worker %r (rank %d of %s) joined the group", name, spec.rank, spec.world_size or "a dynamic group")
 
 
@@ -233,9 +233,10 @@ def get_rpc_timeout() -> float:
     return state.current().options.rpc_timeout
 
 
-def _install_dump(rt: Runtime, rank: int) -> None:
+def _install_dump(rt: Runtime, rank: int, rdzv: Any) -> None:
     """NOTE [Job dump] in rrefrt/debug.py: where the launcher named a dump directory,
-    SIGUSR1 writes this worker's threads and calls in flight there."""
+    SIGUSR1 writes this worker's threads and calls in flight there, and the store says
+    where to find this worker (for ``python -m rrefrt.debug dump``)."""
     directory = os.environ.get(debug.DUMP_DIR_ENV)
     if not directory or not os.path.isdir(directory):
         return
@@ -244,7 +245,8 @@ def _install_dump(rt: Runtime, rank: int) -> None:
     def calls() -> str:
         return format_calls(f"calls in flight on {name!r}:", rt.lifecycle.calls_in_flight(stacks=True))
 
-    debug.install_dump_signal(directory, rank, lambda: f"worker {name!r}", calls)
+    if debug.install_dump_signal(directory, rank, lambda: f"worker {name!r}", calls):
+        debug.publish_dump_target(getattr(rdzv, "store", None), rank, directory)
 
 
 def get_debug_info() -> dict[str, Any]:

@@ -11,6 +11,12 @@ library only: the runtime's parts import it, and so may a tool.
 Cost: nothing on the path of a call; a stack is read only when someone asks (a call's
 timeout, a shutdown that gives up, a dump), with ``sys._current_frames()``.
 
+``python -m rrefrt.debug dump`` asks for the same dump from any process that can reach the
+job's store with its secret (MASTER_ADDR, MASTER_PORT, RREFRT_SECRET): each worker with a
+handler published ``DUMP_KEY`` (host, pid, directory) there; the tool signals those on its
+own host whose ready file names that pid, and prints their dumps (a worker on another host
+is named, with the host to run the tool on).
+
 The job-wide dump (NOTE [Job dump]): a worker started by ``rrefrt-run`` (or any worker
 whose environment names ``RREFRT_DEBUG_DIR``) installs a SIGUSR1 handler at ``init_rpc``
 and writes ``rank-<R>.ready`` (its pid) in that directory; on SIGUSR1 a short-lived thread
@@ -23,9 +29,11 @@ read a dump; only they can signal the workers.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,6 +50,9 @@ MESSAGE_FRAMES = 6
 DUMP_DIR_ENV = "RREFRT_DEBUG_DIR"
 #: how long the launcher (or ``python -m rrefrt.debug dump``) waits for the workers' dumps
 DUMP_WAIT = 3.0
+
+#: the store key where a worker says where its dumps go (json: host, pid, dir)
+DUMP_KEY = "rrefrt/debug/dump/{rank}"
 
 #: one frame on the wire: [file, line, function, source line]
 Frame = list
@@ -167,6 +178,105 @@ def install_dump_signal(directory: str, rank: int, header: Callable[[], str], ca
         return False
 
 
+def publish_dump_target(store: Any, rank: int, directory: str) -> None:
+    """Tell the job's store where this worker's dumps go (for ``python -m rrefrt.debug``);
+    nothing if there is no store (a file rendezvous) or it does not answer."""
+    if store is None:
+        return
+    target = {"host": socket.gethostname(), "pid": os.getpid(), "dir": directory}
+    try:
+        store.set(DUMP_KEY.format(rank=rank), json.dumps(target).encode())
+    except Exception as e:  # the dump is a convenience: never a reason for init to fail
+        log.debug("rank %d could not publish its dump target: %s", rank, e)
+
+
+def collect_dumps(targets: list[tuple[int, int, str]], emit: Callable[[str], None], wait: float = DUMP_WAIT) -> int:
+    """Signal each (rank, pid, directory) whose ready file names ``pid`` and print its dump,
+    "[rank N] "-prefixed, within ``wait``. Returns how many dumped."""
+    asked = {}
+    for rank, pid, directory in targets:
+        path = os.path.join(directory, f"rank-{rank}.dump")
+        try:
+            with open(os.path.join(directory, f"rank-{rank}.ready"), encoding="ascii") as f:
+                ready = int(f.read().strip())
+        except (OSError, ValueError):
+            ready = -1
+        if ready != pid:
+            emit(f"[rank {rank}] no dump: no handler installed by pid {pid} in {directory}")
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            asked[rank] = path
+        except OSError as e:
+            emit(f"[rank {rank}] no dump: could not signal pid {pid}: {e}")
+    deadline = time.monotonic() + wait
+    done = 0
+    while asked and time.monotonic() < deadline:
+        for rank, path in sorted(asked.items()):
+            if os.path.exists(path):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    for line in f.read().rstrip("\n").split("\n"):
+                        emit(f"[rank {rank}] {line}")
+                del asked[rank]
+                done += 1
+        if asked:
+            time.sleep(0.02)  # files appear without a signal to wait on: a bounded re-check
+    for rank in sorted(asked):
+        emit(f"[rank {rank}] no dump within {wait:.0f}s: every thread may be stuck in C code holding the GIL")
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rrefrt.debug dump``: the dump of every worker of the job on this host."""
+    import argparse
+
+    from .store import StoreClient, StoreError
+
+    parser = argparse.ArgumentParser(prog="python -m rrefrt.debug", description=main.__doc__)
+    parser.add_argument("command", choices=["dump"])
+    parser.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    parser.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "0") or 0))
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "0") or 0),
+                        help="ranks to ask (default: WORLD_SIZE, else every rank found in the store)")
+    parser.add_argument("--wait", type=float, default=DUMP_WAIT)
+    args = parser.parse_args(argv)
+    if not args.master_port:
+        parser.error("the job's store is unknown: set MASTER_ADDR and MASTER_PORT (and RREFRT_SECRET)")
+    try:
+        store = StoreClient(args.master_addr, args.master_port, connect_timeout=10.0,
+                            secret=os.environ.get("RREFRT_SECRET") or None, identity="python -m rrefrt.debug")
+    except StoreError as e:
+        print(f"cannot reach the job's store at {args.master_addr}:{args.master_port}: {e}", file=sys.stderr)
+        return 2
+    here, targets = socket.gethostname(), []
+    try:
+        rank = 0
+        while args.world_size == 0 or rank < args.world_size:
+            key = DUMP_KEY.format(rank=rank)
+            if not store.check([key]):
+                if args.world_size == 0:
+                    break
+                print(f"[rank {rank}] no dump: it published no dump target (not started by rrefrt-run?)")
+            else:
+                t = json.loads(store.get(key, 5.0))
+                if t.get("host") != here:
+                    print(f"[rank {rank}] runs on host {t.get('host')!r}: run this tool there for its dump")
+                else:
+                    targets.append((rank, int(t["pid"]), str(t["dir"])))
+            rank += 1
+    finally:
+        store.close()
+    if not targets:
+        print("no worker of this job on this host published a dump target", file=sys.stderr)
+        return 1
+    collect_dumps(targets, lambda line: print(line, flush=True), args.wait)
+    return 0
+
+
 def uninstall_dump_signal() -> None:
     """At shutdown: SIGUSR1 goes back to its default, the ready file goes."""
     if not _state or threading.current_thread() is not threading.main_thread():
@@ -205,5 +315,9 @@ def _dump_now(st: dict[str, Any]) -> None:
 __all__ = [
     "MAX_FRAMES", "MESSAGE_FRAMES", "DUMP_DIR_ENV", "DUMP_WAIT", "frames_of", "thread_frames", "format_frames",
     "summary", "decode_frames", "all_threads_text", "dump_text", "write_dump", "install_dump_signal",
-    "uninstall_dump_signal",
+    "uninstall_dump_signal", "publish_dump_target", "collect_dumps", "main", "DUMP_KEY",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

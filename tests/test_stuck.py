@@ -6,6 +6,9 @@ handlers block in a known function (tests/stuck_fns.py)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -166,7 +169,7 @@ def test_sigusr1_to_rrefrt_run_dumps_every_worker_and_the_job_goes_on(tmp_path):
 
     from rrefrt import debug
     from rrefrt.run import dump
-    from tests.launcher_scripts.harness import SCRIPTS, Procs, finish
+    from tests.launcher_scripts.harness import REPO, SCRIPTS, Procs, finish
 
     assert dump.DUMP_DIR_ENV == debug.DUMP_DIR_ENV  # the launcher names it without importing the runtime
     procs = Procs()
@@ -193,11 +196,28 @@ def test_sigusr1_to_rrefrt_run_dumps_every_worker_and_the_job_goes_on(tmp_path):
         assert "time.sleep(0.01)" in one
         # worker0: its call still awaiting worker1's answer, and its main thread's stack
         assert "rpc of 'stuck' to 'worker1'" in zero and "stuck_job.py" in zero, zero
+        # the same from a script that has the job's store and secret, and from one without
+        job = json.loads((tmp_path / "job.env").read_text())
+        env = dict(os.environ, PYTHONPATH=REPO, **job)
+        env.pop("WORLD_SIZE", None)
+        t0 = time.monotonic()
+        cli = subprocess.run([sys.executable, "-m", "rrefrt.debug", "dump"], env=env, capture_output=True,
+                             text=True, timeout=60)
+        took_cli = time.monotonic() - t0
+        assert cli.returncode == 0, cli.stdout + cli.stderr
+        assert "[rank 1]   'stuck' from 'worker0', running for" in cli.stdout, cli.stdout + cli.stderr
+        assert "[rank 0]   rpc of 'stuck' to 'worker1'" in cli.stdout, cli.stdout
+        env["RREFRT_SECRET"] = "not the job's secret"
+        refused = subprocess.run([sys.executable, "-m", "rrefrt.debug", "dump"], env=env, capture_output=True,
+                                 text=True, timeout=60)
+        assert refused.returncode != 0 and "[rank" not in refused.stdout, refused.stdout + refused.stderr
+        assert p.poll() is None  # the job still goes on
         (tmp_path / "go").touch()
         rc, out, _ = finish(p, 60)
         reader.join(5)
         assert rc == 0 and "worker0: released" in out, (out, "".join(lines))
-        print(f"\nSIGUSR1 to rrefrt-run: both workers' dumps printed in {took:.2f}s; the job then finished (rc 0)")
+        print(f"\nSIGUSR1 to rrefrt-run: both workers' dumps printed in {took:.2f}s; `python -m rrefrt.debug dump` "
+              f"took {took_cli:.2f}s; the job then finished (rc 0)")
     finally:
         procs.close()
 

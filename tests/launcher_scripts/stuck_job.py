@@ -5,6 +5,7 @@ worker0 calls ``tests.stuck_fns.stuck`` on worker1 (it blocks in time.sleep), wr
 shut down. ``python stuck_job.py OUTDIR``, under rrefrt-run with two workers.
 """
 
+import json
 import os
 import sys
 import time
@@ -22,6 +23,9 @@ def main() -> int:
         deadline = time.monotonic() + 30
         while not rrefrt.rpc_sync("worker1", stuck_fns.entered) and time.monotonic() < deadline:
             time.sleep(0.01)
+        with open(os.path.join(outdir, "job.env.tmp"), "w") as f:  # for `python -m rrefrt.debug dump`
+            f.write(json.dumps({k: os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "RREFRT_SECRET")}))
+        os.replace(os.path.join(outdir, "job.env.tmp"), os.path.join(outdir, "job.env"))
         open(os.path.join(outdir, "ready"), "w").close()
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(outdir, "go")) and time.monotonic() < deadline:
