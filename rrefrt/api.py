@@ -250,6 +250,10 @@ def _install_dump(rt: Runtime, rank: int, rdzv: Any) -> None:
 
 
 def get_debug_info() -> dict[str, Any]:
+    """This worker's counters (int values: the RRef context's ``num_*``, the transport's
+    ``agent.*``, the pool's ``pool.*``) and ``calls_in_flight``: the calls in flight here in
+    both directions, oldest first, each a dict with id, direction ("incoming"/"outgoing"),
+    function, peer, age (s) and state (docs/stuck.md). Safe to poll from any thread."""
     return state.current().debug_info()
 
 
