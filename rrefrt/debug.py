@@ -86,7 +86,7 @@ def format_frames(frames: list[Frame], last: int | None = None) -> str:
     """``frames`` as traceback formats a stack (innermost last); ``last``: only that many
     of the innermost frames, with a line saying how many were left out."""
     shown = frames if last is None or len(frames) <= last else frames[-last:]
-    summaries = [traceback.FrameSummary(f, int(n), fn, line=src or None, lookup_line=False) for f, n, fn, src in shown]
+    summaries = [traceback.FrameSummary(f, int(n), fn, line=src, lookup_line=False) for f, n, fn, src in shown]
     text = "".join(traceback.format_list(summaries))
     if len(shown) < len(frames):
         text = f"  ... {len(frames) - len(shown)} outer frame(s) left out\n" + text

@@ -10,6 +10,7 @@ maps under its lock (they change nothing, send nothing, wait for nothing), and
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -111,7 +112,7 @@ def creation_site() -> tuple[str, int, str] | str:
                 break
             code = frame.f_code
             file = code.co_filename
-            if _RRT not in file and _RRT_WIN not in file:
+            if not file.startswith(_PKG):
                 return (file, frame.f_lineno, code.co_name)
             frame = frame.f_back
         return "<unknown>"
@@ -126,4 +127,5 @@ def site_text(site: tuple[str, int, str] | str) -> str:
     return site  # type: ignore[return-value]
 
 
-_RRT, _RRT_WIN = "/rrefrt/", "\\rrefrt\\"
+#: rrefrt's own files (a user's checkout may be in a folder named rrefrt too)
+_PKG = os.path.dirname(__file__) + os.sep  # as the code objects name them (relative if imported so)
