@@ -5,8 +5,9 @@ collects (docs/stuck.md).
 Owns: the wire form of a stack (``[[file, line, function, source], ...]``, innermost last,
 as ``traceback.extract_stack`` gives it), its text (as ``traceback.format_list`` writes it),
 its one-line summary ("fns.py:12 in stuck (time.sleep)"), the trimming of the runtime's own
-frames, and the per-process dump written on SIGUSR1 (``install_dump_signal``). Standard
-library only: the runtime's parts import it, and so may a tool.
+frames, the per-process dump written on SIGUSR1 (``install_dump_signal``), and the
+``python -m rrefrt.debug dump`` tool (``main``). Standard library only, but for the tool's
+store client (imported by ``main`` alone): the runtime's parts import it cheaply.
 
 Cost: nothing on the path of a call; a stack is read only when someone asks (a call's
 timeout, a shutdown that gives up, a dump), with ``sys._current_frames()``.
