@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 import rrefrt_transport as transport
-from rrefrt import profiling as _profiling, state
+from rrefrt import debug, profiling as _profiling, state
 from rrefrt.payload import serialization
 from rrefrt import hooks as _autograd
 from rrefrt.payload.devices import DeviceInfo, DevicePlan
@@ -24,7 +24,7 @@ from rrefrt.futures import Future
 from rrefrt.options import RpcBackendOptions, WorkerInfo
 from rrefrt.group.membership import MAX_RANKS, Membership, shutdown_dynamic
 from rrefrt.group.rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
-from rrefrt.runtime.shutdown import shutdown_graceful
+from rrefrt.runtime.shutdown import format_calls, shutdown_graceful
 from rrefrt.rref import RRef
 from rrefrt.runtime.root import Runtime
 
@@ -163,6 +163,7 @@ def init_rpc(
         rt.group = (rdzv, spec.world_size)
         state.set_current(rt)
         _profiling.install()  # when torch is imported: RPC calls show in its profiler
+        _install_dump(rt, spec.rank, rdzv)
         log.info("worker %r (rank %d of %s) joined the group", name, spec.rank, spec.world_size or "a dynamic group")
 
 
@@ -232,7 +233,27 @@ def get_rpc_timeout() -> float:
     return state.current().options.rpc_timeout
 
 
+def _install_dump(rt: Runtime, rank: int, rdzv: Any) -> None:
+    """NOTE [Job dump] in rrefrt/debug.py: where the launcher named a dump directory,
+    SIGUSR1 writes this worker's threads and calls in flight there, and the store says
+    where to find this worker (for ``python -m rrefrt.debug dump``)."""
+    directory = os.environ.get(debug.DUMP_DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return
+    name = rt.info.name
+
+    def calls() -> str:
+        return format_calls(f"calls in flight on {name!r}:", rt.lifecycle.calls_in_flight(stacks=True))
+
+    if debug.install_dump_signal(directory, rank, lambda: f"worker {name!r}", calls):
+        debug.publish_dump_target(getattr(rdzv, "store", None), rank, directory)
+
+
 def get_debug_info() -> dict[str, Any]:
+    """This worker's counters (int values: the RRef context's ``num_*``, the transport's
+    ``agent.*``, the pool's ``pool.*``) and ``calls_in_flight``: the calls in flight here in
+    both directions, oldest first, each a dict with id, direction ("incoming"/"outgoing"),
+    function, peer, age (s) and state (docs/stuck.md). Safe to poll from any thread."""
     return state.current().debug_info()
 
 
@@ -264,6 +285,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         finally:
             state.set_current(None)
             serialization.set_unpickle_allowlist(None)
+            debug.uninstall_dump_signal()
             rt.close()
             rdzv.close()
         if error is not None:

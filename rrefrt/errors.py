@@ -28,7 +28,11 @@ class RpcError(RuntimeError):
 
 
 class RpcTimeoutError(RpcError, TimeoutError):
-    """A call, ``to_here()`` or wait ran past its timeout."""
+    """A call, ``to_here()`` or wait ran past its timeout. ``remote_stack``: where the
+    callee's handler was at the deadline (traceback's text, innermost last), when the
+    callee was alive and could say so (docs/stuck.md); else None."""
+
+    remote_stack: str | None = None
 
 
 class WorkerUnavailableError(RpcError):
@@ -57,7 +61,11 @@ class SerializationError(RpcError, TypeError):
 
 
 class ShutdownError(RpcError):
-    """The runtime is not running: used before ``init_rpc`` or after ``shutdown``."""
+    """The runtime is not running: used before ``init_rpc`` or after ``shutdown``. A
+    graceful shutdown that gave up sets ``stuck_calls``: the calls still in flight then
+    (``get_debug_info``'s form; a running one with its ``stack``; docs/stuck.md)."""
+
+    stuck_calls: list = []
 
 
 class RemoteError(RpcError):

@@ -36,6 +36,7 @@ from rrefrt.futures import Future
 from rrefrt.pool import current_pool
 from rrefrt.options import RpcBackendOptions, WorkerInfo
 from rrefrt.pool import WorkerPool
+from rrefrt.protocol.audit import site_text
 from rrefrt.protocol.context import READY, OwnerRecord, RRefContext, UserRecord
 from rrefrt.protocol.ids import ForkId
 
@@ -165,7 +166,8 @@ class RRef(Generic[T]):
                 )
             if rec.error is not None:
                 if isinstance(rec.error, OwnerDiedError):  # name the RRef and its owner
-                    raise OwnerDiedError(f"{self!r} cannot be used: {rec.error}")
+                    site = f" (created at {site_text(rec.site)})" if rec.site else ""
+                    raise OwnerDiedError(f"{self!r}{site} cannot be used: {rec.error}")
                 raise fresh(rec.error)
             if not rec.confirmed and rec.creation_deadline is not None and time.monotonic() > rec.creation_deadline:
                 _creation_timed_out(self, rec)

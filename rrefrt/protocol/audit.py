@@ -10,8 +10,9 @@ maps under its lock (they change nothing, send nothing, wait for nothing), and
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
-import traceback
 from typing import TYPE_CHECKING
 
 from rrefrt.protocol.records import PENDING, OwnerRecord, UserRecord
@@ -36,7 +37,7 @@ class ContextAudit:
         """User forks whose Python object is still referenced (strict leak check)."""
         with self._lock:
             return [
-                f"RRef {r.rref_id} (fork {r.fork_id}, owner worker {r.owner}) created at {r.site or '<unknown>'}"
+                f"RRef {r.rref_id} (fork {r.fork_id}, owner worker {r.owner}) created at {site_text(r.site) or '<unknown>'}"
                 for r in list(self.pending_users.values()) + list(self.confirmed_users.values())
                 if r.alive
             ]
@@ -99,9 +100,32 @@ class ContextAudit:
                 assert rec.children == count.get(id(rec), 0), f"child count of {rec.fork_id} is off"
 
 
-def creation_site() -> str:
-    """The first frame outside rrefrt: where user code created an RRef."""
-    for frame in reversed(traceback.extract_stack(limit=12)):
-        if "/rrefrt/" not in frame.filename.replace("\\", "/"):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return "<unknown>"
+def creation_site() -> tuple[str, int, str] | str:
+    """The first frame outside rrefrt: where user code created an RRef, as (file, line,
+    function) (``site_text`` writes it "file:line in function"). Cheap enough to run on
+    every remote() (a walk of a few frames; no source line read, no text made, no frame
+    kept): the leak report and OwnerDiedError name it."""
+    frame = sys._getframe(1)
+    try:
+        for _ in range(12):
+            if frame is None:
+                break
+            code = frame.f_code
+            file = code.co_filename
+            if not file.startswith(_PKG):
+                return (file, frame.f_lineno, code.co_name)
+            frame = frame.f_back
+        return "<unknown>"
+    finally:
+        del frame
+
+
+def site_text(site: tuple[str, int, str] | str) -> str:
+    """A creation site as text ("file:line in function"); "" when unknown."""
+    if type(site) is tuple:
+        return f"{site[0]}:{site[1]} in {site[2]}"
+    return site  # type: ignore[return-value]
+
+
+#: rrefrt's own files (a user's checkout may be in a folder named rrefrt too)
+_PKG = os.path.dirname(os.path.dirname(__file__)) + os.sep  # rrefrt/, as the code objects name it (relative if imported so)

@@ -32,6 +32,12 @@ header passed validation (``decode``), which is the only place meta is parsed.
                    several ChildAccept in one message (NOTE [Lazy registration] in
                    docs/protocol.md: the accepts of dropped call arguments)
     RemoteRet      REMOTE_RET         22    owner  -> caller       [rref_id, status(, value)]       error if status ERROR
+    StackQuery     CALL_STACK_QUERY   25    caller -> callee       [msg_id] or [0, rref_id]         -
+                   "where is my call?", sent only when a call timed out (or a shutdown gave up):
+                   the call by the msg_id of its request, or the remote() creation of rref_id;
+                   handled on the transport thread (never the user pool, so a full pool still
+                   answers). Its answer's meta is [state, function, age, frames] (rrefrt/
+                   inflight.py ``InFlight.describe``), not the response meta below
 
     response meta: [status, forks] or, answering PYTHON_REMOTE, [status, forks, done(, value)]
         status   OK=0 / ERROR=1; the payload is the value, or the pickled error
@@ -355,14 +361,42 @@ class RemoteRet:
         return cls(dest, _rid(rid), status, (), inline)
 
 
+@dataclass(frozen=True, slots=True)
+class StackQuery:
+    """Where is a call now (docs/stuck.md)? ``call_id``: the msg_id of the caller's
+    request (the receiver adds the tag bits of this query's own id, rrefrt/inflight.py
+    ``TAG_MASK``); 0 with ``rref_id``: the remote() creation of that RRef."""
+
+    KIND: ClassVar[int] = 25
+    NAME: ClassVar[str] = "CALL_STACK_QUERY"
+    dest: int  # the callee
+    call_id: int
+    rref_id: RRefId | None = None
+
+    def meta(self) -> list[Any]:
+        return [self.call_id] if self.rref_id is None else [0, self.rref_id.to_wire()]
+
+    @classmethod
+    def decode(cls, dest: int, meta: list) -> "StackQuery":
+        if not meta or type(meta[0]) is not int or meta[0] < 0:
+            raise ValueError("call id must be an int >= 0")
+        if len(meta) == 1 and meta[0] > 0:
+            return cls(dest, meta[0])
+        call_id, rid = meta
+        if call_id != 0:
+            raise ValueError("a creation's query has call id 0")
+        return cls(dest, 0, _rid(rid))
+
+
 Message = (PythonCall | RemoteRequest | Fetch | ForkRequest | ChildAccept | ChildAccepts | UserDelete | UserDeletes
-           | RemoteRet)
+           | RemoteRet | StackQuery)
 
 #: the message table: wire kind -> class (docstring above); the runtime's handler table
 #: (rrefrt/runtime/root.py, ``Runtime.HANDLERS``) sits beside it, one entry per class
 MESSAGES: dict[int, type] = {
     cls.KIND: cls
-    for cls in (PythonCall, RemoteRequest, Fetch, ForkRequest, ChildAccept, ChildAccepts, UserDelete, UserDeletes, RemoteRet)
+    for cls in (PythonCall, RemoteRequest, Fetch, ForkRequest, ChildAccept, ChildAccepts, UserDelete, UserDeletes, RemoteRet,
+                StackQuery)
 }
 #: kind -> label, for the transport's fault hook and logs
 KIND_NAMES: dict[int, str] = {kind: cls.NAME for kind, cls in MESSAGES.items()}
@@ -499,3 +533,4 @@ RREF_FORK_REQUEST = ForkRequest.KIND
 RREF_CHILD_ACCEPT = ChildAccept.KIND
 RREF_USER_DELETE = UserDelete.KIND
 REMOTE_RET = RemoteRet.KIND
+CALL_STACK_QUERY = StackQuery.KIND

@@ -48,7 +48,9 @@ class UserRecord:
     error: BaseException | None = None  #: creation failure / owner death, raised on next use
     creation_deadline: float | None = None  #: remote(timeout): confirmation expected before
     closed_by_shutdown: bool = False
-    site: str = ""  #: where the Python object was created (strict leak checks)
+    #: where the Python object was created: (file, line, function) of a remote() call, or a
+    #: text (rref_audit.site_text writes either); "" if unknown (leak report, OwnerDiedError)
+    site: Any = ""
 
 
 class _NoValue:

@@ -15,6 +15,10 @@ NOTE [The event loop]
               |                               waiting_nodes until every node is done)
               +--a failure / signal / abort / lost node--> stopping --all exited--> done
 
+  SIGUSR1 asks for a job-wide dump (rrefrt/run/dump.py, docs/stuck.md): the loop starts
+  one round on a thread of its own (the workers are signalled, their files printed within
+  ``DUMP_WAIT``) and goes on supervising meanwhile; the job is not stopped.
+
   ``stopping`` sends the first signal (SIGTERM, or the signal the launcher received) to
   every worker's process group, SIGKILL after --grace-period, and gives up waiting 2 s
   later. The select timeout is the time to the next deadline (at most 1 s), never a
@@ -37,6 +41,7 @@ from types import FrameType
 from rrefrt.group.store import PortInUseError, StoreAuthError, StoreClient, StoreError, StoreServer
 
 from rrefrt.run import report
+from rrefrt.run.dump import DUMP_DIR_ENV, dump_job, make_dump_dir, remove_dump_dir
 from rrefrt.run.dynamic import DynamicJob, parse_join
 from rrefrt.run.config import LaunchConfig, LaunchError, UsageError
 from rrefrt.run.devices import DevicePlan, plan_devices, usable_cores, visible_gpus
@@ -93,6 +98,9 @@ class Supervisor:
         self._lost_nodes: set[int] = set()  #: nodes declared lost (node 0 only)
         self._dyn: DynamicJob | None = None  #: --dynamic / --join (rrefrt/run/dynamic.py)
         self._dyn_failed = False  #: a worker failed and the job went on (--on-failure continue)
+        self._dump_dir: str | None = None  #: the job's dump directory (rrefrt/run/dump.py)
+        self._dump_asked = False  #: SIGUSR1 arrived, no dump round started for it yet
+        self._dump_thread: threading.Thread | None = None  #: the dump round under way
 
     # ---- launch --------------------------------------------------------------------
 
@@ -157,6 +165,7 @@ class Supervisor:
             except StoreError as e:
                 raise LaunchError(f"lost the rendezvous store at {where}: {e}") from None
         self._print_header(plan, where)
+        self._dump_dir = make_dump_dir()
         self._spawn_all(plan, addr, port, secret)
         if cfg.multi_node:
             try:
@@ -229,6 +238,8 @@ class Supervisor:
                 device_env=dev.environ(), watchdog=f"{os.getpid()}:{self._watch_r}")
             if cfg.dynamic_mode:
                 env.pop("WORLD_SIZE")  # init_rpc joins a dynamic group
+            if self._dump_dir is not None:
+                env[DUMP_DIR_ENV] = self._dump_dir
             log_path = (os.path.join(cfg.log_dir, f"rank{rank}.log")
                         if cfg.log_dir is not None else None)
             spec = WorkerSpec(rank, dev.local_rank, cfg.node_rank, argv, env, log_path)
@@ -250,6 +261,8 @@ class Supervisor:
         old: dict[int, object] = {}
         for sig in (*_FORWARDED, signal.SIGCHLD):
             old[sig] = signal.signal(sig, self._on_signal)
+        if hasattr(signal, "SIGUSR1"):
+            old[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_dump_signal)
         old[-1] = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         return old
 
@@ -264,6 +277,23 @@ class Supervisor:
         if not self._spawning:
             raise Interrupted(signum)
         self._signals.append(signum)
+
+    def _on_dump_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._dump_asked = True  # the wake-up fd woke the loop
+
+    def _start_dump(self) -> None:
+        """NOTE [The event loop]: a dump round on its own thread; one at a time."""
+        self._dump_asked = False
+        if self._dump_dir is None or self.phase != "running":
+            return
+        if self._dump_thread is not None and self._dump_thread.is_alive():
+            return
+        workers = [(w.rank, w.pid) for w in self.workers if w.running]
+        self.console.message(f"rrefrt-run: SIGUSR1: dumping the threads and calls in flight of rank(s) "
+                             f"{', '.join(str(r) for r, _ in workers)}; the job goes on")
+        self._dump_thread = threading.Thread(target=dump_job, args=(self._dump_dir, workers, self.console.message),
+                                             name="rrefrt-run-dump", daemon=True)
+        self._dump_thread.start()
 
     def _wake(self) -> None:
         try:
@@ -285,6 +315,8 @@ class Supervisor:
     def _loop(self) -> int:
         while True:
             self._handle_signals()
+            if self._dump_asked:
+                self._start_dump()
             self._collect_exits()
             self._handle_monitor_events()
             self._advance()
@@ -472,6 +504,9 @@ class Supervisor:
                 os.close(fd)
         self._watch_r = self._watch_w = -1
         self._close_store()
+        if self._dump_thread is not None:
+            self._dump_thread.join(1.0)
+        remove_dump_dir(self._dump_dir)
         os.close(self._wake_r)
         os.close(self._wake_w)
 

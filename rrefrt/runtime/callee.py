@@ -4,6 +4,9 @@ Owns: the arrival of PYTHON_CALL and PYTHON_REMOTE (deduplication, hand-off to t
 pool), the execution of user functions (plain, ``@async_execution``, ``async def`` on the
 event loop thread), their answers, and serving fetches (pickling a value). Answers leave
 through the replies (rrefrt/runtime/replies.py); payloads and forks are the payloads'.
+The calls running here are in ``core.inflight`` (rrefrt/runtime/inflight.py): arrival,
+start, answer; a CALL_STACK_QUERY about one is answered on the transport thread
+(``on_stack_query``).
 
 Threads: ``on_python_call`` / ``on_remote_request`` / ``on_fetch`` run on the transport
 thread and never unpickle; ``run_call`` runs on the user pool, or on the same-host
@@ -25,13 +28,14 @@ import threading
 import traceback
 from typing import Any, Callable, Sequence
 
+import rrefrt_transport as transport
 from rrefrt.payload import serialization as ser
 from rrefrt import state
 from rrefrt.payload.devices import NO_SCOPE
 from rrefrt.errors import RemoteSerializationError, SerializationError, ShutdownError
 from rrefrt.functions import is_async_execution, when_future_done
 from rrefrt.pool import InlineWaits, PoolExhaustedError, acting_as
-from rrefrt.protocol.messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, ServeFetch
+from rrefrt.protocol.messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, ServeFetch, StackQuery
 from rrefrt.protocol.context import FAILED, READY, OwnerRecord
 from rrefrt.runtime.control import ControlLoop
 from rrefrt.runtime.core import WorkerCore
@@ -39,6 +43,7 @@ from rrefrt.runtime.creation import CreationTracker
 from rrefrt.runtime.lifecycle import Lifecycle
 from rrefrt.runtime.payloads import Payloads
 from rrefrt.runtime.replies import Replies
+from rrefrt.runtime.inflight import TAG_MASK, WAITING, creation_key
 
 log = logging.getLogger("rrefrt")
 
@@ -97,6 +102,7 @@ class Callee:
             self.finish(src, msg, msg_id, rec, None, err)
             return
         self.lifecycle.track_call(+1, src)
+        core.inflight.arrived((src, msg_id) if rec is None else creation_key(rec.rref_id), src)
         call = (src, msg, msg_id, frames, rrefs, rec)
         # NOTE [Inline calls] in transport/unix/lead.py: the thread that read it runs it
         if not self._inline_hook()(lambda: self._run_inline(self.run_call, call), lambda: self._submit(call)):
@@ -117,10 +123,12 @@ class Callee:
         except PoolExhaustedError as e:  # the hard cap of the compensating pool: fail this call, typed
             src, msg, msg_id, _frames, _rrefs, rec = call
             self.lifecycle.track_call(-1, src)
+            core.inflight.finished((src, msg_id) if rec is None else creation_key(rec.rref_id))
             self.finish(src, msg, msg_id, rec, None, e)
         except RuntimeError as e:  # a stopped pool (a queued inline call's fallback at close)
             src, msg, msg_id, _frames, _rrefs, rec = call
             self.lifecycle.track_call(-1, src)
+            core.inflight.finished((src, msg_id) if rec is None else creation_key(rec.rref_id))
             self.finish(src, msg, msg_id, rec, None, ShutdownError(f"worker {core.info.name!r} is shutting down ({e})"))
 
     def _run_inline(self, fn: Callable[..., None], args: tuple) -> None:
@@ -169,6 +177,8 @@ class Callee:
         core = self.core
         frames, rrefs = call
         call.clear()
+        key = (src, msg_id) if rec is None else creation_key(rec.rref_id)
+        entry = core.inflight.started(key, src)  # its stack can be asked for from now on
 
         def done(value: Any, exc: BaseException | None) -> None:
             try:
@@ -176,6 +186,7 @@ class Callee:
                     value = scope.finish(value)
                 self.finish(src, msg, msg_id, rec, value, exc)
             finally:
+                core.inflight.finished(key)
                 self.lifecycle.track_call(-1, src)
 
         with scope:
@@ -193,7 +204,10 @@ class Callee:
             # confirmed_by_owner() waits for it (NOTE [Early run] in docs/protocol.md)
             del rrefs, frames
             scope.use(args)
+            entry[1] = func
             self.invoke(func, args, kwargs, done)
+            if key in core.inflight.incoming:  # it returned a future: no thread runs it now
+                entry[3] = WAITING
 
     def invoke(self, func: Any, args: tuple, kwargs: dict, done: Done) -> None:
         try:
@@ -249,6 +263,15 @@ class Callee:
             except Exception as e:
                 exc = e
         self.replies.respond(src, msg_id, [ERROR, []], ser.dumps_error(exc, core.info.name), msg)
+
+    def on_stack_query(self, src: int, msg_id: int, msg: StackQuery, frames: Sequence[Any]) -> None:
+        """Transport thread (never the user pool: a full pool still answers): where is the
+        call ``msg`` names now (docs/stuck.md)? Reads one thread's stack, no user code."""
+        key = (src, msg.call_id | (msg_id & TAG_MASK)) if msg.rref_id is None else creation_key(msg.rref_id)
+        try:
+            self.core.transport.respond(src, msg_id, self.core.inflight.describe(key), [], "RESPONSE:" + msg.NAME)
+        except transport.TransportError:
+            log.debug("answer to worker %d's stack query dropped", src)
 
     def on_fetch(self, src: int, msg_id: int, msg: Fetch, frames: Sequence[Any]) -> None:
         """Transport thread: a fetch. A ready plain value is answered here, another ready one

@@ -27,7 +27,7 @@ from rrefrt.runtime.core import WorkerCore
 from rrefrt.runtime.creation import UNKNOWN, CreationTracker
 from rrefrt.runtime.lifecycle import Lifecycle
 from rrefrt.runtime.payloads import Payloads
-from rrefrt.runtime.requests import Requests, WaitedFuture, translate
+from rrefrt.runtime.requests import Requests, WaitedFuture, rref_text, translate
 
 __all__ = ["Caller"]
 
@@ -58,7 +58,7 @@ class Caller:
         call.func = func  # the error's text names it (formatted only if the call fails)
         if func is _invoke_on_owner and args:  # a proxy call: the RRef (only it is kept)
             target = args[0]
-            call.owner_of = lambda: repr(target)  # noqa: E731
+            call.owner_of = lambda: rref_text(target)  # noqa: E731
         deletes = self.requests.flush_drops(dest) if self.control.drops else ()  # NOTE [Drops]
         call.deletes = deletes
         # the forks are in wire form already (dumps): PythonCall.meta without the round trip
@@ -90,8 +90,7 @@ class Caller:
             core.pool.submit(self.callee.run_call, dest, msg, 0, frames, rrefs, rec)
             return RRef._from_owner(self.host, rec)
         urec = ctx.new_remote_user(dest, tname, core.timeout(timeout))
-        if core.options.strict_rref_leaks:
-            urec.site = creation_site()
+        urec.site = creation_site()  # named by leak reports and OwnerDiedError (docs/stuck.md)
         # NOTE [Drops]; NOTE [Piggybacked deletes] in docs/protocol.md
         deletes = self.requests.flush_drops(dest) if self.control.drops else ()
         msg = RemoteRequest(dest, urec.rref_id, urec.fork_id, tname, fork_data, deletes)

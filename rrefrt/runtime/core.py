@@ -14,6 +14,8 @@ State and who writes it:
     accepting, closed   the life cycle (shutdown steps, ``Runtime.close``)
     devices             the validated device plan, set by init_rpc after the rendezvous
     group               (rendezvous, world size), set by init_rpc; read by shutdown
+    inflight            the calls in flight, both directions (the caller's requests and
+                        the callee; read by debug info, stack queries and shutdown)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rrefrt.options import RpcBackendOptions, WorkerInfo
 from rrefrt.pool import WorkerPool
 from rrefrt.protocol.context import RRefContext
 from rrefrt.protocol.ids import IdGenerator
+from rrefrt.runtime.inflight import InFlight
 
 if TYPE_CHECKING:
     from rrefrt.payload.devices import DevicePlan
@@ -80,6 +83,8 @@ class WorkerCore:
         #: the validated device plan (routes per peer, the call scope), set by init_rpc after
         #: the rendezvous; None until then (and in unit tests: CPU tensors, no maps)
         self.devices: DevicePlan | None = None
+        #: the calls in flight here, both directions (rrefrt/runtime/inflight.py)
+        self.inflight = InFlight()
         #: the transport (set by the composition root once the parts exist)
         self.transport: Transport = None  # type: ignore[assignment]
 

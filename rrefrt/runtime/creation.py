@@ -76,7 +76,7 @@ from rrefrt.runtime.requests import Requests, fetch_error
 from rrefrt.errors import RpcTimeoutError, RRefCreationError, fresh
 from rrefrt.futures import Future
 from rrefrt.protocol.ids import ForkId
-from rrefrt.protocol.messages import ERROR, OK, RemoteRequest, RemoteRet, Response, inline_value
+from rrefrt.protocol.messages import ERROR, OK, RemoteRequest, RemoteRet, Response, StackQuery, inline_value
 from rrefrt.protocol.context import FAILED, PENDING, READY, OwnerRecord
 
 log = logging.getLogger("rrefrt")
@@ -255,10 +255,15 @@ class CreationTracker:
             cell.waiters.remove(p)
         rref, fut = p.release()
         if fut is not None:
-            fut._fail(RpcTimeoutError(
+            rec = rref._user_rec
+            err = RpcTimeoutError(
                 f"to_here() of {rref!r} timed out after {timeout:.3f}s (worker "
-                f"{self.core.worker_name(rref._user_rec.owner)!r} did not answer the RRef's creation)"
-            ))
+                f"{self.core.worker_name(rec.owner)!r} did not answer the RRef's creation)"
+            )
+            requests = self.requests  # where is the creation? (docs/stuck.md)
+            query = StackQuery(rec.owner, 0, rec.rref_id)
+            if not requests.ask_where(rec.owner, query, lambda answer: fut._fail(requests.where_error(err, rec.owner, answer))):
+                fut._fail(err)
 
     def _fetch_now(self, p: Parked) -> None:
         """Transport thread: send the fetch of a parked to_here() (its creation was answered

@@ -103,5 +103,13 @@ class Lifecycle:
         for key, n in core.pool.stats().items():
             info[f"pool.{key}"] = n
         info["agent.dead_peers"] = len(core.transport.dead_peers())
+        #: the calls in flight, both directions (rrefrt/runtime/inflight.py; docs/stuck.md)
+        info["calls_in_flight"] = self.calls_in_flight(stacks=False)
         return info
+
+    def calls_in_flight(self, stacks: bool) -> list[dict[str, Any]]:
+        """The calls running (or queued) here for peers, then those sent from here still
+        awaiting their answer; ``stacks``: each running one with its thread's stack."""
+        inflight, name = self.core.inflight, self.core.worker_name
+        return inflight.running_here(name, stacks) + inflight.sent_from_here(name)
 

@@ -1,6 +1,8 @@
 """Requests sent from this worker and their answers: the one object per request in flight
-(``_Call``), its sending, the completion of its future, and the translation of transport
-errors into rrefrt's error tree (``translate``, the one place this happens).
+(``_Call``), its sending, the completion of its future, the translation of transport
+errors into rrefrt's error tree (``translate``, the one place this happens), and, when a
+call times out while its callee is alive, asking the callee where the call is (a
+CALL_STACK_QUERY answered within ``STACK_WAIT``; ``explain_timeout``, docs/stuck.md).
 
 Owns: ``send`` (a call, a creation's fetch or any request whose answer completes a future),
 ``send_fetch`` (a to_here()'s FETCH), ``complete`` (decoding an answer's meta once, its
@@ -16,20 +18,28 @@ reads the future.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import rrefrt_transport as transport
 from rrefrt.errors import OwnerDiedError, RpcTimeoutError, SerializationError, ShutdownError, WorkerUnavailableError
 from rrefrt.futures import Future
 from rrefrt.payload import serialization as ser
-from rrefrt.protocol.messages import OK, Fetch, Response
+from rrefrt.protocol.audit import site_text
+from rrefrt.protocol.messages import OK, Fetch, Response, StackQuery
 from rrefrt.rref import RRef
+from rrefrt.runtime import stacks
+from rrefrt.runtime.inflight import func_name
 from rrefrt.runtime.control import ControlLoop
 from rrefrt.runtime.core import WorkerCore
 from rrefrt.runtime.lifecycle import Lifecycle
 from rrefrt.runtime.payloads import Payloads
 
-__all__ = ["Requests", "WaitedFuture", "translate"]
+__all__ = ["Requests", "WaitedFuture", "translate", "STACK_WAIT"]
+
+#: how long past a call's timeout its caller waits for the callee to say where the call is
+#: (a CALL_STACK_QUERY); without an answer by then it raises the plain timeout
+STACK_WAIT = 0.25
 
 
 def translate(err: BaseException, what: str, owner_of: str | None = None) -> BaseException:
@@ -48,9 +58,17 @@ def translate(err: BaseException, what: str, owner_of: str | None = None) -> Bas
     return err
 
 
+def rref_text(rref: Any) -> str:
+    """An RRef as errors about its owner name it: its repr and, where known, the place
+    that created it (the remote() call; ``UserRecord.site``)."""
+    rec = getattr(rref, "_user_rec", None)
+    site = site_text(rec.site) if rec is not None and rec.site else ""
+    return f"{rref!r} (created at {site})" if site else repr(rref)
+
+
 def fetch_error(rref: RRef[Any], err: BaseException) -> BaseException:
     """The error of a to_here() of ``rref`` that failed with transport error ``err``."""
-    return translate(err, f"to_here() of {rref!r}", repr(rref))
+    return translate(err, f"to_here() of {rref!r}", rref_text(rref))
 
 
 class WaitedFuture(Future[Any]):
@@ -74,7 +92,8 @@ class _Call:
     before the future completes. ``deletes``: piggybacked deletes, acknowledged by the
     answer (NOTE [Piggybacked deletes])."""
 
-    __slots__ = ("requests", "fut", "dest", "forks", "deletes", "before", "what", "owner_of", "func")
+    __slots__ = ("requests", "fut", "dest", "forks", "deletes", "before", "what", "owner_of", "func", "t0", "msg_id",
+                 "creation")
 
     def __init__(self, requests: "Requests", fut: Future[Any], dest: int, forks: list[Any]) -> None:
         self.requests, self.fut, self.dest, self.forks = requests, fut, dest, forks
@@ -83,6 +102,16 @@ class _Call:
         self.what: Callable[[], str] | None = None
         self.owner_of: Callable[[], str] | None = None
         self.func: Any = None
+        self.t0 = 0.0  #: when it was sent (monotonic), for debug info
+        self.msg_id = 0  #: its request's id (0: not sent yet)
+        #: the RRef id whose remote() creation a timeout asks about (a fetch), else None
+        self.creation: Any = None
+
+    def label(self) -> str:
+        """What the call is, for debug info and errors."""
+        if self.what is not None:
+            return self.what()
+        return f"rpc of {func_name(self.func)!r}"
 
     def error(self, err: BaseException) -> BaseException:
         """rrefrt's error for transport error ``err`` (``translate``), with its text."""
@@ -100,6 +129,8 @@ class _Call:
             if self.before is not None:
                 self.before()
             if err is not None:
+                if isinstance(err, transport.RequestTimeout) and requests.explain_timeout(self, err):
+                    return  # fails once the callee said where the call is (or did not, in time)
                 if self.forks and isinstance(err, transport.Fenced):
                     # NOTE [Fenced forks]: once fenced, a request fails with Fenced, sent
                     # or not, and every peer is dead to this worker. A fork it registered
@@ -112,6 +143,7 @@ class _Call:
                 return
             requests.complete(self.fut, self.dest, m, fr)
         finally:
+            requests.core.inflight.outgoing.pop(id(self), None)
             requests.lifecycle.track_outgoing(-1)
 
 
@@ -129,9 +161,13 @@ class Requests:
         """Send one request whose answer (or failure) ``call`` handles on the transport thread."""
         core = self.core
         self.lifecycle.track_outgoing(+1)
+        call.t0 = time.monotonic()
+        outgoing = core.inflight.outgoing
+        outgoing[id(call)] = call
         try:
-            core.transport.request(call.dest, kind, meta, frames, timeout, call, name)
+            call.msg_id = core.transport.request(call.dest, kind, meta, frames, timeout, call, name)
         except transport.TransportError as e:
+            outgoing.pop(id(call), None)
             self.lifecycle.track_outgoing(-1)
             self.control.deletes_delivered(call.dest, call.deletes, e)
             if call.before is not None:
@@ -150,7 +186,8 @@ class Requests:
         if flush and self.control.drops:  # NOTE [Drops]: deletes of dropped RRefs leave first
             self.flush_drops()
         call = _Call(self, fut, msg.dest, [])
-        call.what, call.owner_of, call.before = lambda: f"to_here() of {rref!r}", lambda: repr(rref), before
+        call.what, call.owner_of, call.before = lambda: f"to_here() of {rref!r}", lambda: rref_text(rref), before
+        call.creation = rec.rref_id  # a fetch waits for the creation: a timeout asks about it
         self.send(call, msg.KIND, msg.NAME, msg.meta(), [], t)
 
     def flush_drops(self, dest: int | None = None) -> tuple:
@@ -184,3 +221,66 @@ class Requests:
                 raise ser.loads_error(frames, name)
 
             fut._complete_lazy(raise_remote)
+
+    # ------------------------------------------------------------------ where is my call?
+    def explain_timeout(self, call: _Call, err: BaseException) -> bool:
+        """Transport thread: ``call`` timed out; ask its callee where it is and fail its
+        future with the answer (``where_error``) within ``STACK_WAIT``. False: not asked
+        (the callee is dead, or the call was never numbered): the caller fails it plainly."""
+        query = self.stack_query(call)
+        if query is None:
+            return False
+        plain, fut, dest = call.error(err), call.fut, call.dest
+        return self.ask_where(dest, query, lambda answer: fut._fail(self.where_error(plain, dest, answer)))
+
+    @staticmethod
+    def stack_query(call: _Call) -> StackQuery | None:
+        """The CALL_STACK_QUERY about ``call`` (None: not sent yet, so not numbered)."""
+        if call.creation is not None:
+            return StackQuery(call.dest, 0, call.creation)
+        return StackQuery(call.dest, call.msg_id) if call.msg_id else None
+
+    def ask_where(self, dest: int, query: StackQuery, on_answer: Callable[[Any], None]) -> bool:
+        """Send ``query`` to ``dest``; ``on_answer(answer meta or None)`` runs once, on the
+        transport thread, within ``STACK_WAIT``. False (nothing sent, ``on_answer`` never
+        runs): ``dest`` is dead or unreachable."""
+        core = self.core
+        if dest != core.info.id and not core.transport.is_alive(dest):
+            return False
+
+        def done(meta: Any, frames: Sequence[Any], err: Any) -> None:
+            on_answer(meta if err is None else None)
+
+        try:
+            core.transport.request(dest, query.KIND, query.meta(), [], STACK_WAIT, done, query.NAME)
+        except transport.TransportError:
+            return False
+        return True
+
+    def where_error(self, plain: BaseException, dest: int, answer: Any) -> BaseException:
+        """The timeout ``plain`` with what ``dest`` answered about the call (``InFlight.
+        describe``): where its handler is (``remote_stack``), or that it is still queued,
+        or waiting on the future it returned. No (or a malformed) answer: ``plain``."""
+        if not isinstance(plain, RpcTimeoutError) or type(answer) is not list or len(answer) != 4:
+            return plain
+        state, function, age, raw = answer
+        name = self.core.worker_name(dest)
+        if type(age) not in (int, float) or type(function) is not str:
+            return plain
+        if state == "running":
+            frames = stacks.decode_frames(raw)
+            if not frames:
+                return plain
+            text = (f"{plain}; {name} was at {stacks.summary(frames)}, running {function!r} for {age:.1f}s. "
+                    f"Its stack (innermost last; all of it in the error's remote_stack):\n"
+                    f"{stacks.format_frames(frames, stacks.MESSAGE_FRAMES)}")
+            out = RpcTimeoutError(text.rstrip("\n"))
+            out.remote_stack = stacks.format_frames(frames)
+            return out
+        if state == "queued":
+            return RpcTimeoutError(f"{plain}; {name} had not started it yet: it was queued for {age:.1f}s "
+                                   f"behind the calls running there (its user thread pool is busy)")
+        if state == "waiting":
+            return RpcTimeoutError(f"{plain}; {name} ran {function!r}, which returned a future that had not "
+                                   f"completed after {age:.1f}s")
+        return plain

@@ -58,6 +58,7 @@ from rrefrt.protocol.messages import (
     RemoteRequest,
     RemoteRet,
     ServeFetch,
+    StackQuery,
     UserDelete,
     UserDeletes,
     decode,
@@ -107,6 +108,7 @@ class Runtime(WorkerCore):
             ChildAccepts: self.on_protocol,
             UserDelete: self.on_protocol,
             UserDeletes: self.on_protocol,
+            StackQuery: self.callee.on_stack_query,  # docs/stuck.md
         }
         self.transport = make_transport(self.on_message, self.on_peer_dead)
         self.control.start()

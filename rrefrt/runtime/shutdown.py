@@ -16,14 +16,18 @@ import time
 from typing import Any, Callable, Protocol
 
 from rrefrt.errors import RpcError, RRefLeakError, ShutdownError
+from rrefrt.runtime import stacks
 from rrefrt.runtime.root import Runtime
 
 log = logging.getLogger("rrefrt")
 
-__all__ = ["Barriers", "LiveDead", "SHUTDOWN_GRACE", "shutdown_graceful"]
+__all__ = ["Barriers", "LiveDead", "SHUTDOWN_GRACE", "shutdown_graceful", "stuck_calls", "format_calls"]
 
 #: how long past its deadline a graceful shutdown may run before it is abandoned
 SHUTDOWN_GRACE = 1.0
+
+#: how long a shutdown that gave up waits for its callees to say where its calls are
+STUCK_WAIT = 0.25
 
 
 class Barriers(Protocol):
@@ -102,8 +106,23 @@ def shutdown_graceful(rt: Runtime, rdzv: Barriers, world_size: int, limit: float
 
 
 def _graceful(rt: Runtime, rdzv: Barriers, world_size: int, deadline: float, phase: list[str] | None = None) -> BaseException | None:
-    me = rt.info.id
+    """The steps; a shutdown that gives up while calls are still in flight here (either
+    way: for live or dead callers, or awaiting an answer) names them, with where they are
+    (``format_stuck``; the list in the error's ``stuck_calls``; docs/stuck.md)."""
     phase = phase if phase is not None else [""]
+    error = _graceful_steps(rt, rdzv, world_size, deadline, phase)
+    if isinstance(error, ShutdownError) and (rt.inflight.incoming or rt.inflight.outgoing):
+        phase[0] = "describing the calls still in flight"
+        stuck = stuck_calls(rt, STUCK_WAIT)
+        if stuck:
+            out = ShutdownError(f"{error}\n{format_stuck(rt.info.name, stuck)}")
+            out.stuck_calls = stuck  # type: ignore[attr-defined]
+            return out
+    return error
+
+
+def _graceful_steps(rt: Runtime, rdzv: Barriers, world_size: int, deadline: float, phase: list[str]) -> BaseException | None:
+    me = rt.info.id
     dead = LiveDead(rt.transport.dead_peers)
 
     def names(ranks: list[int]) -> str:
@@ -150,3 +169,62 @@ def _graceful(rt: Runtime, rdzv: Barriers, world_size: int, deadline: float, pha
         return e
     except Exception as e:  # the store died under us (its host left): still close
         return ShutdownError(f"shutdown of {rt.info.name!r} could not complete its barrier: {e}")
+
+
+# ---------------------------------------------------------------------------- calls still in flight
+def stuck_calls(rt: Runtime, wait: float) -> list[dict[str, Any]]:
+    """A shutdown gave up (docs/stuck.md): the calls in flight, a running one with its
+    stack, an outgoing one with where its callee has it (asked, ``wait`` at most)."""
+    calls = rt.lifecycle.calls_in_flight(stacks=True)
+    answers: dict[int, Any] = {}
+    asked = threading.Condition()
+    sent = []
+    for call in list(rt.inflight.outgoing.values()):
+        query = rt.requests.stack_query(call)
+        if query is None:
+            continue
+
+        def got(answer: Any, key: int = id(call)) -> None:
+            with asked:
+                answers[key] = answer
+                asked.notify_all()
+
+        if rt.requests.ask_where(call.dest, query, got):
+            sent.append((id(call), call.msg_id))
+    deadline = time.monotonic() + wait
+    with asked:
+        while len(answers) < len(sent) and time.monotonic() < deadline:
+            asked.wait(max(0.0, deadline - time.monotonic()))
+        got_answers = dict(answers)
+    by_msg = {str(msg_id): got_answers.get(key) for key, msg_id in sent}
+    for item in calls:
+        answer = by_msg.get(item["id"]) if item["direction"] == "outgoing" else None
+        if type(answer) is list and len(answer) == 4 and answer[0] in ("running", "queued", "waiting"):
+            item["state"] = f"{answer[0]} on {item['peer']}"
+            frames = stacks.decode_frames(answer[3])
+            if frames:
+                item["stack"] = frames
+    return calls
+
+
+def format_stuck(worker: str, calls: list[dict[str, Any]]) -> str:
+    """The calls a shutdown gave up on, readable: one line each with where it is and its
+    innermost frames (the full stacks are in the error's ``stuck_calls``)."""
+    return format_calls(f"calls still in flight on {worker!r} (full stacks in the error's stuck_calls):", calls)
+
+
+def format_calls(title: str, calls: list[dict[str, Any]]) -> str:
+    """``title``, then one line per call (``Lifecycle.calls_in_flight``) with where it is
+    and its three innermost frames."""
+    lines = [title] if calls else [f"{title} none"]
+    for c in calls:
+        if c["direction"] == "incoming":
+            line = f"  {c['function']!r} from {c['peer']!r}, {c['state']} for {c['age']:.1f}s"
+        else:
+            line = f"  {c['function']} to {c['peer']!r}, sent {c['age']:.1f}s ago, {c['state']}"
+        frames = c.get("stack")
+        if frames:
+            text = stacks.format_frames(frames, 3).rstrip("\n")
+            line += f", at {stacks.summary(frames)}:\n" + "\n".join("    " + x for x in text.split("\n"))
+        lines.append(line)
+    return "\n".join(lines)

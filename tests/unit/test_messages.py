@@ -22,6 +22,7 @@ from rrefrt.protocol.messages import (
     PythonCall,
     RemoteRequest,
     RemoteRet,
+    StackQuery,
     Response,
     UserDelete,
     UserDeletes,
@@ -48,6 +49,9 @@ EXAMPLES = [
     # NOTE [Piggybacked deletes]: deletes riding in a call or a creation
     PythonCall(0, (FORK,), ((RID, FID),)),
     RemoteRequest(0, RID, FID, "Box", (), ((RID, FID), (RID, ForkId(3, 5)))),
+    # docs/stuck.md: where is a call (by its request's id) or a remote() creation (by RRef id)
+    StackQuery(0, 7),
+    StackQuery(0, 0, RID),
 ]
 
 
@@ -62,7 +66,7 @@ def test_round_trip(msg: Any) -> None:
 
 
 def test_one_class_per_kind() -> None:
-    assert len(MESSAGES) == 9 and len(set(KIND_NAMES.values())) == 9
+    assert len(MESSAGES) == 10 and len(set(KIND_NAMES.values())) == 10
 
 
 GOOD_ID = [0, 1]

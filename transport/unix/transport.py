@@ -54,7 +54,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rrefrt_transport import hosts, wire
+from rrefrt_transport import hosts
+
+from rrefrt_transport import wire
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
 from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
