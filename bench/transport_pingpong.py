@@ -15,7 +15,8 @@ transport's own thread (no runtime, no pickling); the client measures:
 
 Transports: ``unix`` (shared memory from 256 KB, the receiver aliases the segment),
 ``unix-copy`` (the same, receiver copies out), ``unix-inline`` (no shared memory: every byte
-through the socket), ``zmq`` (transport.Agent over ipc://, as the runtime uses it today).
+through the socket), ``zmq`` (the ZeroMQ transport, ipc:// between workers of one host, as
+the runtime uses it when the same-host paths are off).
 Prints the medians over rounds; ``--json PATH`` writes every round.
 """
 
@@ -29,7 +30,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,12 +49,12 @@ def _cpu() -> float:
 # ---------------------------------------------------------------------------- processes
 def make(kind: str, wid: int, inc: int, on_message: Any, on_dead: Any) -> tuple[Any, Any]:
     """(transport, publish(address)) for ``kind``; role-independent."""
-    if kind == "zmq":
-        from rrefrt_transport import Agent
-
-        a = Agent(wid, f"w{wid}", inc, on_message, on_dead)
-        return a, None
     from rrefrt_transport.base import TransportConfig
+
+    if kind == "zmq":
+        from rrefrt_transport.zmq.agent import ZmqTransport
+
+        return ZmqTransport(TransportConfig(wid, f"w{wid}", inc, kind="zmq"), on_message, on_dead), None
     from rrefrt_transport.unix.transport import UnixTransport
 
     extra = {"unix": {}, "unix-copy": {"shm_copy_out": True}, "unix-inline": {"shm_threshold": 0},
@@ -77,22 +77,13 @@ def role(args: argparse.Namespace) -> None:
 
     t, _ = make(args.kind, wid, inc, on_message, lambda p, c: None)
     holder["t"] = t
-    if args.kind == "zmq":
-        ep = t.bind(f"ipc://{tempfile.gettempdir()}/rrefrt-bench-{os.getpid()}.ipc")
-        addr: Any = ep
-    else:
-        addr = t.listen().to_wire()
+    addr = t.listen().to_wire()
     t.start()
     print(json.dumps({"addr": addr, "inc": inc}), flush=True)
     peer = json.loads(sys.stdin.readline())
-    if args.kind == "zmq":
-        from rrefrt_transport import PeerSpec
+    from rrefrt_transport.base import PeerAddress, PeerSpec
 
-        t.connect_peers([PeerSpec(1 - wid, f"w{1 - wid}", peer["inc"], peer["addr"])], 20)
-    else:
-        from rrefrt_transport.base import PeerAddress, PeerSpec as Spec
-
-        t.connect_peers([Spec(1 - wid, f"w{1 - wid}", peer["inc"], PeerAddress.from_wire(peer["addr"]))], 20)
+    t.connect_peers([PeerSpec(1 - wid, f"w{1 - wid}", peer["inc"], PeerAddress.from_wire(peer["addr"]))], 20)
     if args.role == "server":
         sys.stdin.readline()  # until the client is done
         t.close(2.0)

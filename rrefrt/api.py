@@ -1,7 +1,7 @@
 """The public API: init_rpc, rpc_sync/rpc_async/remote, shutdown and friends.
 
 Owns: the life cycle of the current runtime (the one process-global, in ``state``).
-Imports from rrefrt: everything. Nothing imports it but ``rrefrt/__init__``.
+Nothing imports it but ``rrefrt/__init__``.
 """
 
 from __future__ import annotations

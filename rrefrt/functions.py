@@ -1,5 +1,4 @@
-"""``@rrefrt.functions.async_execution`` and the callee side of it. Imports from rrefrt:
-errors, torchimport (leaves). Never imports torch (torch's futures are recognised once torch is
+"""``@rrefrt.functions.async_execution`` and the callee side of it. Never imports torch (torch's futures are recognised once torch is
 imported: rrefrt/payload/torchimport.py's ``loaded()``).
 
 NOTE [async_execution]: a decorated function returns a Future (rrefrt's, the stdlib's or

@@ -1,7 +1,7 @@
 """``rrefrt.Future``: the stdlib ``concurrent.futures.Future`` contract plus torch's
 ``wait/value/then`` and ``await``; ``wait_all`` and ``collect_all``.
 
-Imports from rrefrt: errors, pool (leaves). Runtime-facing entry points are
+Runtime-facing entry points are
 ``_complete_lazy`` and ``_fail`` which the I/O thread calls. Never imports torch.
 
 NOTE [Lazy results]: the I/O thread completes an RPC future with an undecoded response

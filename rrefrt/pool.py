@@ -1,6 +1,6 @@
 """A bounded thread pool for user functions and user callbacks.
 
-Owns: worker threads and their task queue. Imports from rrefrt: errors (leaf) only.
+Owns: worker threads and their task queue.
 
 NOTE [Blocked pool threads]: a user function may block in a nested wait (``rpc_sync`` back
 to a caller that is itself waiting on us). If every pool thread blocks that way, the call

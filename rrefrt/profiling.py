@@ -4,7 +4,7 @@ RPC records them.
 Owns: the call-site hook (``active``/``profiled_call``, called by the public API), the
 callee-side trampoline (``_Profiled``) that runs the function under a profiler and sends
 its events back, and the merge of those events into the caller's profile.
-Imports from rrefrt: futures, functions, state, torchimport (lower layers). torch is imported
+torch is imported
 inside functions only, through rrefrt/payload/torchimport.py, never at import (``import rrefrt``
 stays free of torch); ``active()`` costs a ``sys.modules`` lookup when torch is absent.
 

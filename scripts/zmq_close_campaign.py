@@ -55,21 +55,13 @@ def worker(cfg: dict) -> None:
                 pass
 
     inc = random.SystemRandom().getrandbits(62)
-    new_api = hasattr(transport, "create")
-    if new_api:
-        t = transport.create(transport.TransportConfig(cfg["id"], cfg["name"], inc, **HB), on_message, lambda *a: None)
-        address: Any = t.listen().to_wire()
-    else:
-        t = transport.Agent(cfg["id"], cfg["name"], inc, on_message, lambda *a: None, transport.AgentOptions(**HB))
-        address = t.bind("tcp://127.0.0.1:0")
+    t = transport.create(transport.TransportConfig(cfg["id"], cfg["name"], inc, **HB), on_message, lambda *a: None)
+    address: Any = t.listen().to_wire()
     holder["t"] = t
     t.start()
     print(json.dumps({"event": "hello", "id": cfg["id"], "name": cfg["name"], "incarnation": inc, "address": address}), flush=True)
     table = json.loads(sys.stdin.readline())
-    if new_api:
-        specs = [transport.PeerSpec(p["id"], p["name"], p["incarnation"], transport.PeerAddress.from_wire(p["address"])) for p in table]
-    else:
-        specs = [transport.PeerSpec(p["id"], p["name"], p["incarnation"], p["address"]) for p in table]
+    specs = [transport.PeerSpec(p["id"], p["name"], p["incarnation"], transport.PeerAddress.from_wire(p["address"])) for p in table]
     t0 = time.monotonic()
     t.connect_peers(specs, cfg.get("join_s", 60.0))
     print(json.dumps({"event": "ready", "join_s": time.monotonic() - t0}), flush=True)

@@ -30,15 +30,11 @@ from rrefrt_transport.errors import (
 from rrefrt_transport.hosts import host_id
 from rrefrt_transport.zmq.security import CurveAuth
 from rrefrt_transport.wire import FIRST_APP_KIND
-from rrefrt_transport.legacy import Agent, AgentOptions
 from rrefrt_transport.zmq.agent import ZmqTransport
-from rrefrt_transport import auto
-from rrefrt_transport import inproc
-from rrefrt_transport.unix import transport as unix  # noqa: E402,F401  (register "auto", "inproc", "unix")
+from rrefrt_transport import auto, inproc  # noqa: E402,F401  (register "auto", "inproc")
+from rrefrt_transport.unix import transport as unix  # noqa: E402,F401  (registers "unix")
 
 __all__ = [
-    "Agent",
-    "AgentOptions",
     "ZmqTransport",
     "Transport",
     "TransportConfig",

@@ -1,9 +1,7 @@
 """The composite transport: same-host peers over AF_UNIX, every other peer over an inner one.
 
 Owns: the choice, per peer, of the path a message takes, and the merging of what the two
-transports report. Registered as ``"auto"``. Imports only the standard library and its
-siblings (``base``, ``unix``); the inner transport (``"zmq"`` by default) is built through
-the registry, so this module never imports zmq itself.
+transports report. Registered as ``"auto"``.
 
 Rules:
 
@@ -184,13 +182,6 @@ class AutoTransport:
     def hand_off(self) -> None:
         if self.local is not None:
             self.local.hand_off()
-
-    def __getattr__(self, name: str) -> Any:
-        """Introspection of the inner transport (tests read its endpoints, options, stats
-        parts); never used on a hot path."""
-        if name in ("inner", "local"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def is_alive(self, peer_id: int) -> bool:
         return peer_id not in self._dead and self._via(peer_id).is_alive(peer_id) and self.inner.is_alive(peer_id)

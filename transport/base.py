@@ -3,7 +3,6 @@
 Owns: the ``Transport`` protocol (the only surface of a transport the runtime uses), the
 configuration a transport is built from, the addresses a worker publishes at rendezvous,
 and the registry of implementations by name (Dask's ``comm/registry.py`` is the model).
-Imports only the standard library; never zmq, msgpack, torch or rrefrt.
 
 Theory of operation:
 

@@ -1,7 +1,6 @@
 """Where this process runs: the host id, and the private directory of its ipc sockets.
 
 Owns: ``host_id()`` (equal values = same machine, so ipc may be used) and ``IpcDir``.
-Imports only the standard library.
 
 NOTE [ipc socket files]: each transport puts its ipc sockets in a directory of its own,
 ``<tmp>/rrefrt-<pid>-<random>/``, created with mode 0700 (so only this user can connect,

@@ -1,8 +1,7 @@
 """The liveness table: who is joining, up, suspect or dead, and why. Pure logic, no I/O.
 
 Owns: each peer's ``PeerState``, the evidence it was judged on (when it was last heard,
-since when its route is gone) and the decision to declare it dead. Imports only the
-standard library; knows nothing of sockets, threads or zmq. The heartbeat thread
+since when its route is gone) and the decision to declare it dead. The heartbeat thread
 (``rrefrt_transport.zmq.heartbeat``) feeds it events and performs what it returns; tests drive it with
 a fake clock (``tests/unit/test_liveness.py``).
 

@@ -1,7 +1,7 @@
 """The wire format of rrefrt's transport: how a message is laid out in ZeroMQ frames.
 
 Owns: header encoding and decoding, and the checks a received message must pass before
-anything in it is handed on. Imports only msgpack and the standard library.
+anything in it is handed on.
 
 A message is one ZeroMQ multipart message on a ROUTER-to-ROUTER mesh::
 

@@ -3,7 +3,7 @@
 Owns: parsing ``init_method`` and the environment, choosing the store (hosting or joining
 rrefrt's own, or using torch's where torch already holds one), publishing this worker's
 record, validating the group (unique names and ranks, agreeing world sizes), and bounded
-barriers. Imports from rrefrt: errors, store, environment, torch_store (torch lazily).
+barriers.
 
 Keys (``rpc/init_count`` and ``rpc/ticket/<n>`` job-wide; the rest under ``rpc/<generation>/``,
 where the generation counts init_rpc calls of the job, so a group re-initialised after

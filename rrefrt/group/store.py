@@ -1,8 +1,7 @@
 """A small key-value store for rendezvous and barriers (standard library only).
 
 Owns: the store server (hosted by rank 0, or by ``rrefrt-run`` on the master node) and
-its client. Imports only the standard library and ``rrefrt.group.store_wire`` (framing, errors, limits;
-itself standard library plus the leaf ``rrefrt.errors``): the launcher uses it.
+its client.
 
 It offers the subset of ``torch.distributed.TCPStore`` that rrefrt needs - ``set``,
 ``get``, ``add``, ``wait``, ``check`` and ``delete_key`` - and every blocking call takes

@@ -3,7 +3,7 @@
 Owns: framing (``pack``/``unpack``/``recv_frame``), the op and status codes, the HMAC
 proofs of the handshake, the store's error classes and ``StoreLimits``. Imported by
 ``rrefrt.group.store`` (server and client), which documents the protocol and re-exports the
-public names. Imports only the standard library and ``rrefrt.errors``.
+public names.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ ends share), the registry of tensor codecs, and the two codecs rrefrt has today:
   sender's memory out of reuse until then, even if the sender dropped the tensor). Any
   failure to export falls back to ``frames`` with one log line.
 
-Imports from rrefrt: errors, torchimport. torch is imported only by the functions that handle
+torch is imported only by the functions that handle
 a tensor, through rrefrt/payload/torchimport.py.
 
 NOTE [Tensor codecs]

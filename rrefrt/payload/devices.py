@@ -6,7 +6,7 @@ routes that follow (``DevicePlan``), the launcher's device default (``default_de
 and ``call_scope``: the current CUDA device and a pooled stream around a call on the owner.
 Pure functions over plain data, except ``probe_cuda`` and ``call_scope`` (torch).
 
-Imports from rrefrt: buffers, errors, torchimport. torch only when CUDA is named or already
+torch only when CUDA is named or already
 loaded, through rrefrt/payload/torchimport.py.
 Must not import the runtime, the transport or the launcher.
 

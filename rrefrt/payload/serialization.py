@@ -2,7 +2,7 @@
 fork data in the (msgpack) header.
 
 Owns: turning Python objects into frames and back, and the translation of exceptions for
-the wire. Imports from rrefrt: buffers, errors, torchimport. torch is imported only when a
+the wire. torch is imported only when a
 tensor crosses (``torchimport.loaded()`` tells whether one can exist at all), and a payload's
 torch globals are imported through rrefrt/payload/torchimport.py (NOTE [Importing torch from many
 threads]: the first call a worker decodes often imports torch while other threads run).

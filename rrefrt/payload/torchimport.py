@@ -3,8 +3,7 @@
 Owns: ``torch_module()`` and ``import_module(name)`` (import torch, or one of its
 submodules, from any rrefrt thread), ``loaded()`` / ``loaded_module(name)`` (torch or a
 submodule only when it is *fully* imported, else None) and ``started()`` (imported or being
-imported). Imports only the standard library,
-never torch at import time (``import rrefrt`` must not import torch). Every lazy torch
+imported). Every lazy torch
 import and every ``sys.modules`` look at torch in rrefrt goes through here.
 
 NOTE [Importing torch from many threads]

@@ -4,7 +4,7 @@ code created an RRef.
 
 Owns: ``ContextAudit``, a mixin of ``RRefContext`` whose methods only read the context's
 maps under its lock (they change nothing, send nothing, wait for nothing), and
-``creation_site``. Imports from rrefrt: rref_records. Must not import the context itself
+``creation_site``. Must not import the context itself
 (it is a base class of it), the runtime or the transport.
 """
 

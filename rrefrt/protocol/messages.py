@@ -1,7 +1,7 @@
 """The message table: one frozen dataclass per message kind, decoded once on arrival, and
 the protocol actions the RRef context asks its caller to perform.
 
-Imports from rrefrt: ids (leaf). See docs/protocol.md for the protocol itself.
+See docs/protocol.md for the protocol itself.
 
 One name per message: the class (``ForkRequest``) is what the context returns as an
 action, what the runtime sends, what ``decode`` returns on arrival, what the control thread
@@ -400,8 +400,6 @@ MESSAGES: dict[int, type] = {
 }
 #: kind -> label, for the transport's fault hook and logs
 KIND_NAMES: dict[int, str] = {kind: cls.NAME for kind, cls in MESSAGES.items()}
-#: messages the control thread handles (the RRef protocol); the others run user code
-CONTROL_MESSAGES = (Fetch, ForkRequest, ChildAccept, ChildAccepts, UserDelete, UserDeletes, RemoteRet)
 
 
 def decode(kind: int, meta: Any, dest: int) -> Message:

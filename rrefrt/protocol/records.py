@@ -3,7 +3,7 @@
 
 Owns: these plain data classes and nothing else (no lock, no I/O, no protocol rule: the
 rules that change them live in ``rrefrt/protocol/context.py``, which re-exports every name
-here). Imports from rrefrt: ids only. Must not import the context, the runtime or the
+here). Must not import the context, the runtime or the
 transport.
 """
 

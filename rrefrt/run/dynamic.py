@@ -4,7 +4,7 @@ without a world size, ``--join HOST:PORT`` adds workers to such a running job
 
 Owns: the launcher's keys of a dynamic job (under ``launcher/dyn/``), the ranks each
 launcher hands out, the heartbeat of a joining launcher and the host's view of the joining
-launchers still running. Imports only the standard library and ``rrefrt.group.store``.
+launchers still running.
 
 Keys:
 

@@ -2,8 +2,7 @@
 
 Owns: the launcher's keys in the job's store (all under ``launcher/``; the runtime uses
 ``rpc/``), the node rendezvous (``rendezvous()``) and, for multi-node jobs, ``NodeMonitor``,
-which turns what other nodes publish into events for the supervisor. Imports only the
-standard library and ``rrefrt.group.store``.
+which turns what other nodes publish into events for the supervisor.
 
 Store keys (values are JSON unless said otherwise):
 

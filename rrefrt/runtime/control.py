@@ -2,8 +2,7 @@
 
 Owns: the control queue and its typed items, the control thread, the performance of every
 action the RRef context returns, and the retry policy of protocol messages (NOTE
-[Retries]). Imports from rrefrt: errors, ids, messages, pool, rref_drops (constants),
-the RRef context (types only). It is given the worker's core (rrefrt/runtime/core.py) and
+[Retries]). It is given the worker's core (rrefrt/runtime/core.py) and
 the replies; the two homes above it, serving a fetch (the callee) and a lost creation
 (remote() creation), are callables the composition root hands in (no module state).
 

@@ -29,7 +29,7 @@ import rrefrt
 from rrefrt.payload import serialization
 from rrefrt.api import warn_unauthenticated
 from rrefrt.protocol.messages import PYTHON_CALL
-from tests.support import workerfns as fns
+from tests.support import workerfns as fns, zmq_transport
 from tests.support import Workers, free_port, poll_for
 from rrefrt_transport import PeerAddress, Transport, TransportConfig, create, AuthenticationFailed, CurveAuth, PeerSpec
 from rrefrt_transport import wire
@@ -171,7 +171,7 @@ def pair(w1_options: dict[str, Any], w1_env: dict[str, str] | None = None, **w0_
 
 def agent_facts() -> dict[str, Any]:
     """Runs on a worker: what its transport knows (endpoints, counters, whether CURVE is on)."""
-    agent = rrefrt.state.current().transport
+    agent = zmq_transport(rrefrt.state.current().transport)
     return {"endpoints": list(agent.endpoints), "stats": dict(agent.stats), "curve": agent._auth is not None}
 
 
@@ -329,7 +329,7 @@ class TestSameSecret:
         assert torch.equal(rrefrt.rpc_sync("w1", fns.identity, args=(big,)), big)
         assert rrefrt.rpc_sync("w1", fns.call_back, args=("w0", 2, 3)) == 5  # and the other way round
         facts = rrefrt.rpc_sync("w1", agent_facts)
-        assert facts["curve"] and rrefrt.state.current().transport._auth is not None
+        assert facts["curve"] and zmq_transport(rrefrt.state.current().transport)._auth is not None
         assert facts["stats"]["zap_admitted"] >= 1 and facts["stats"].get("zap_denied", 0) == 0
         print(f"\nCURVE rpc_sync round trip: {per_call * 1e6:.0f} us (mean of 20, first calls)")
 
@@ -484,7 +484,7 @@ def test_init_on_a_non_loopback_address_warns_once_without_a_secret(
     rrefrt.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=opts)
     try:
         assert rrefrt.rpc_sync("solo", fns.add, args=(1, 2)) == 3
-        assert all(ep.startswith((f"tcp://{addr}:", "ipc://")) for ep in rrefrt.state.current().transport.endpoints)
+        assert all(ep.startswith((f"tcp://{addr}:", "ipc://")) for ep in zmq_transport(rrefrt.state.current().transport).endpoints)
     finally:
         rrefrt.shutdown()
     assert len(_warnings(caplog)) == (1 if secret is None else 0), [r.getMessage() for r in caplog.records]

@@ -29,7 +29,7 @@ import rrefrt
 from rrefrt import faults
 from rrefrt.protocol.messages import (PYTHON_CALL, PYTHON_REMOTE, REMOTE_RET, RREF_CHILD_ACCEPT, RREF_FETCH,
                              RREF_FORK_REQUEST, RREF_USER_DELETE)
-from tests.support import failure_fns as ff
+from tests.support import failure_fns as ff, zmq_transport
 from tests.support import workerfns as fns
 from tests.support import Workers, free_port, poll_for
 from rrefrt_transport import wire
@@ -459,7 +459,7 @@ def test_ten_thousand_garbage_messages_at_a_live_worker(group, tmp_path):
             big.send_multipart([evil_call[0], b"\0" * (3 * limit)])  # over limit + header allowance
         # 3. from a member's own route: raw bad headers, and valid headers whose fields are
         #    malformed for every message kind the runtime handles
-        agent = rrefrt.state.current().transport
+        agent = zmq_transport(rrefrt.state.current().transport)
         member_bad = [[b"\xc1"], [b"\x91" * 100_000 + b"\xc0"], [wire.encode_header(PYTHON_CALL, 3, [[]])[:-2]],
                       [wire.encode_header(PYTHON_CALL, 3, [[]])] + [b"x"] * 5000,
                       [wire.encode_header(wire.HELLO, 0, [12345, "impostor"])]]

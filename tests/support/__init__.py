@@ -171,3 +171,10 @@ def veth_namespaces(prefix: str, addrs: tuple[str, str]) -> Iterator[list[tuple[
     finally:
         for ns in created:
             ip("netns", "del", ns)
+
+
+def zmq_transport(transport: Any) -> Any:
+    """The ZeroMQ transport of a runtime's transport: the "auto" transport's inner one (the
+    path to every peer on another host), or the transport itself when it is the zmq one.
+    For tests that read the zmq transport's own state (endpoints, its loop, its security)."""
+    return getattr(transport, "inner", transport)

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from tests.support import zmq_transport
 import rrefrt
 
 # ---------------------------------------------------------------------------- introspection
@@ -19,7 +20,7 @@ def agent_info() -> dict:
     """What the transport of this worker knows: endpoints, dead peers, counters."""
     rt = rrefrt.state.current()
     return {
-        "endpoints": list(rt.transport.endpoints),
+        "endpoints": list(zmq_transport(rt.transport).endpoints),
         "dead": sorted(rt.transport.peer_name(p) for p in rt.transport.dead_peers()),
         # the transport's counters and the runtime's own, merged as get_debug_info shows them
         "stats": rt.lifecycle.stats(),

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 import rrefrt
-from tests.support import failure_fns as ff
+from tests.support import failure_fns as ff, zmq_transport
 from tests.support import workerfns as fns
 
 
@@ -208,7 +208,7 @@ def fork_checks(spec: dict) -> dict:
     held, api_held, release = threading.Event(), threading.Event(), threading.Event()
 
     def hold_locks() -> None:  # runs on the I/O thread
-        with rt.ctx._lock, rt.transport.inner._loop._lock:  # the zmq data loop's outbox lock
+        with rt.ctx._lock, zmq_transport(rt.transport)._loop._lock:  # the zmq data loop's outbox lock
             held.set()
             release.wait(2.0)
 
@@ -217,7 +217,7 @@ def fork_checks(spec: dict) -> dict:
             api_held.set()
             release.wait(2.0)
 
-    rt.transport.inner._call_soon(hold_locks)
+    zmq_transport(rt.transport)._call_soon(hold_locks)
     threading.Thread(target=hold_api_lock, daemon=True).start()
     assert held.wait(5) and api_held.wait(5), "the lock holders never ran"
     rfd, wfd = os.pipe()

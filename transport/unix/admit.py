@@ -2,8 +2,7 @@
 
 Owns: both ends of the handshake in ``unix_wire`` - the connector's (blocking, on the thread
 that joins) and the acceptor's (a non-blocking state machine fed by the receiver thread) -
-and the host key that says whether two workers share a host. Imports only the standard
-library and ``unix_wire``. Nothing a connection sends is decoded here beyond the fixed
+and the host key that says whether two workers share a host. Nothing a connection sends is decoded here beyond the fixed
 binary records of the handshake, and nothing is handed on before the connection passed.
 """
 

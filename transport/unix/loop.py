@@ -1,7 +1,6 @@
 """The receiver thread of the same-host transport (``rrefrt_transport.unix.transport``): reading, dispatch,
 timers, liveness and close. A mixin of ``UnixTransport``, split out to keep modules small;
-it uses that class's state and owns none of its own. Imports only the standard library and
-its siblings (never zmq, torch, rrefrt). Rules and NOTE [Unix liveness]: ``rrefrt_transport.unix.transport``.
+it uses that class's state and owns none of its own. Rules and NOTE [Unix liveness]: ``rrefrt_transport.unix.transport``.
 """
 
 from __future__ import annotations

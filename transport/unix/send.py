@@ -2,8 +2,7 @@
 receiver's size limit), shared memory for large frames, the per-peer queue, its bound and
 send lock, the direct write when the lock is free and nothing is queued, partial writes and
 EVENT_WRITE. A mixin of ``UnixTransport``, split out to keep modules small; it uses that
-class's state and owns none of its own. Imports only the standard library and its siblings
-(never zmq, torch, rrefrt).
+class's state and owns none of its own.
 
 NOTE [Send queue bound]: no thread ever waits for a peer that does not read. A sending
 thread writes its own message, zero copy, for as long as the socket keeps taking bytes

@@ -2,7 +2,7 @@
 
 Owns: the sender's pool of memfd segments (created, pre-faulted, lent, returned, closed) and
 the receiver's mapping of a segment it was sent (frames that alias it, and the callback
-that fires when the last of them is released). Imports only the standard library.
+that fires when the last of them is released).
 
 NOTE [Segments]:
 

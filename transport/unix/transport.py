@@ -2,8 +2,7 @@
 
 Owns: the listening socket (in a 0700 directory of its own), the peer connections, their
 admission, request/response correlation, deadlines, timers and liveness. Registered as
-``"unix"``. Imports only the standard library, msgpack (through ``wire``) and its siblings
-``unix_wire`` (framing, admission records) and ``shm`` (segments); never zmq, torch, rrefrt.
+``"unix"``.
 
 Rules:
 

@@ -2,8 +2,7 @@
 
 Owns: the admission handshake (fixed binary records, never msgpack: nothing a peer sends is
 decoded before it is admitted), the framing of a message on the stream, and the
-incremental reader that cuts the stream back into messages. Imports only the standard
-library and ``rrefrt_transport.wire`` (the header inside a message is ``wire.encode_header``'s).
+incremental reader that cuts the stream back into messages.
 
 Admission (NOTE [Same-host admission] in docs/same-host.md), connector C, acceptor A::
 

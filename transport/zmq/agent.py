@@ -7,8 +7,7 @@ registration and deadline, the fault hook, backlogs of messages not yet routable
 ``rrefrt_transport.zmq.send`` (``SendPath``, a base class of ``ZmqTransport``). Liveness lives in
 ``rrefrt_transport.zmq.heartbeat`` (its own socket and thread) and ``rrefrt_transport.liveness`` (the table);
 the join's authentication policy in ``rrefrt_transport.zmq.joinpolicy``; the mesh's plan and changes in
-``rrefrt_transport.zmq.mesh``; the loop in ``rrefrt_transport.zmq.loop``. Imports only zmq, msgpack (through
-``wire``) and the standard library; never torch, never rrefrt. Registered as ``"zmq"``.
+``rrefrt_transport.zmq.mesh``; the loop in ``rrefrt_transport.zmq.loop``. Registered as ``"zmq"``.
 
 Rules:
 

@@ -4,8 +4,7 @@ Owns: one ROUTER socket that sends every message it receives straight back to it
 served by ``zmq.proxy_steerable(sock, sock)`` on a thread of its own. pyzmq runs the proxy
 without the GIL, so the echo answers while every Python thread of the process is stuck or
 the GIL is held by a long C call; it stops answering only when the process is dead, stopped
-or cut off (NOTE [Liveness] in ``rrefrt_transport.zmq.heartbeat``). Imports only zmq, the transport's
-``security`` and the standard library.
+or cut off (NOTE [Liveness] in ``rrefrt_transport.zmq.heartbeat``).
 
 Rule 1: the socket has routing id ``b"e<worker id>"`` (a peer's heartbeat socket reaches its
     data and heartbeat sockets as ``b"w<id>"`` and its echo as ``b"e<id>"``); it is a CURVE

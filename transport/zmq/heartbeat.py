@@ -2,8 +2,7 @@
 
 Owns: the heartbeat socket (a second ROUTER socket that carries only PING, DEAD_NOTICE and
 FENCED, connected to every peer's echo socket and to the heartbeat sockets of higher ids),
-its thread (an ``IOLoop``), and the ``LivenessTable`` it feeds. Imports only zmq,
-the transport's own modules and the standard library.
+its thread (an ``IOLoop``), and the ``LivenessTable`` it feeds.
 
 NOTE [Liveness]: liveness must not depend on how long one data message takes to move (issue
 11 item 1), must not depend on the GIL (a handler that holds it is slow, not dead), and must

@@ -2,9 +2,7 @@
 
 Owns: the bookkeeping of failed handshakes while the mesh forms and the decision to fail
 ``connect_peers`` with ``AuthenticationFailed``. Performs no I/O: the data loop feeds it the
-monitor's handshake events and fails the join with what it returns. Imports only the
-transport's own ``security`` and ``errors`` modules and the standard library (and zmq's
-event constants).
+monitor's handshake events and fails the join with what it returns.
 
 NOTE [Handshake failures]: the monitor reports failed handshakes. On a connect (whose peer
 we know) libzmq retries only one closed mid-handshake, so a protocol or authentication

@@ -3,7 +3,6 @@
 Owns: NOTE [Lent frames] - which frames of a message the ZeroMQ transport sends without a
 copy from the caller's own memory, the message record that carries them through the data
 loop (``Lent``), and the calling thread's bounded wait until libzmq has let go of them.
-Imports only zmq and the standard library.
 
 NOTE [Lent frames]: API.md promises that the arguments of ``rpc_async`` are a snapshot once it
 returns. The data loop sends later, on its own thread, so the transport used to copy every

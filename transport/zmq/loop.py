@@ -1,7 +1,7 @@
 """One I/O loop: a thread that owns some sockets, an outbox of closures and one timer heap.
 
 Owns: the thread, the doorbell (an eventfd), the outbox, the timer heap and the guard every
-callback runs under. Imports only zmq and the standard library. The zmq transport runs two
+callback runs under. The zmq transport runs two
 loops: the data loop (``rrefrt_transport.zmq.agent``) and the heartbeat loop
 (``rrefrt_transport.zmq.heartbeat``).
 

@@ -4,8 +4,7 @@ Owns: the connection plan of a join (which endpoint of each peer, who connects t
 the data socket's monitor (``read_monitor``: handshakes of the join), and the two
 operations of a dynamic group on a running ``ZmqTransport``: ``add_peers``
 (peers that joined later, or a new incarnation of a departed id) and ``remove_peer`` (a
-member left or was evicted). Imports only zmq (through the transport), the transport's own
-modules and the standard library; the transport's methods delegate here.
+member left or was evicted).
 
 Rules:
 

@@ -1,6 +1,6 @@
 """The data loop's records: a request awaiting its response, and a peer as the data loop
 sees it. Owned and mutated by the data loop's thread only (``rrefrt_transport.zmq.agent``, Rule 1).
-Imports only the transport's seam and the standard library."""
+"""
 
 from __future__ import annotations
 

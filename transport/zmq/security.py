@@ -2,8 +2,7 @@
 
 Owns: key derivation, the socket options that make the agent's ROUTER socket a CURVE server
 (for the connections it accepts) or a CURVE client of one peer (for each connect), the ZAP
-handler that admits only the job's keys, and the words for a failed handshake. Imports only
-zmq and the standard library; never torch, never rrefrt.
+handler that admits only the job's keys, and the words for a failed handshake.
 
 NOTE [Authentication]:
 Rule 1: every worker derives every worker's keypair from (secret, rank): the secret key is

@@ -10,9 +10,7 @@ listed, annotated, in its body); the receive path, liveness, the join and the cl
 sequence stay in ``rrefrt_transport.zmq.agent``.
 
 Must not import ``rrefrt_transport.zmq.agent`` (it derives from this class), ``rrefrt_transport.zmq.mesh``,
-the heartbeat, the echo or the join policy; never rrefrt, never torch. Imports only zmq,
-the transport's pure parts (wire, lend, records, liveness, loop, errors, base) and the
-standard library.
+the heartbeat, the echo or the join policy; never rrefrt, never torch.
 
 Rules (those of ``rrefrt_transport.zmq.agent``): ``request`` / ``send`` / ``respond`` run on any
 thread and only hand the prepared message to the data loop; every other method runs on
