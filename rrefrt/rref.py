@@ -3,7 +3,7 @@ UserRRef), and its proxies ``rref.rpc_sync().method(...)`` etc.
 
 Owns: the user-facing behaviour of a reference. The protocol state lives in the RRef
 context; an RRef object only points at its record. Imports from rrefrt: errors, state,
-rref_context, futures, functions, pool. The runtime is reached through ``state.current()``.
+rref_context, futures, functions, pool, torchimport. The runtime is reached through ``state.current()``.
 
 NOTE [Proxies]: ``rref.rpc_sync().m(...)`` runs ``_invoke_on_owner`` on the owner. It is
 itself an ``@async_execution`` function: an ``@async_execution`` method's Future is handed
@@ -27,7 +27,7 @@ import time
 import weakref
 from typing import Any, Generic, Sequence, TypeVar
 
-from . import state
+from . import state, torchimport
 from .autograd import _hooks as _autograd
 from .errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
 from .functions import is_async_execution, is_future, wrong_return_type
@@ -117,8 +117,16 @@ class RRef(Generic[T]):
             owner = f"worker {self._owner_id()}"
         return f"{kind}(owner={owner}, rref_id={rid}, fork_id={fid})"
 
-    def __class_getitem__(cls, item: Any) -> Any:  # RRef[int] in annotations
-        return cls
+    def __class_getitem__(cls, item: Any) -> Any:
+        """``RRef[T]`` in annotations. Python does not check annotations: it is the class
+        itself, except where torch is loaded, where it is torch's ``RRef[T]``, the one RRef
+        type TorchScript knows. A module that compiles a TorchScript function annotated
+        ``RRef[T]`` (torch's own test files do, at import) must still import; TorchScript
+        would otherwise try to compile this class. rrefrt does not run TorchScript calls: such
+        a function sent over RPC fails at the call site with ``SerializationError``."""
+        api = torchimport.loaded_module("torch.distributed.rpc.api")
+        torch_rref = getattr(api, "RRef", None) if api is not None else None
+        return cls if torch_rref is None else torch_rref[item]
 
     def __reduce__(self) -> Any:
         raise RpcError(
