@@ -128,6 +128,13 @@ class RRef(Generic[T]):
         torch_rref = getattr(api, "RRef", None) if api is not None else None
         return cls if torch_rref is None else torch_rref[item]
 
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run a backward pass with this RRef's value (a scalar tensor) as its root. With
+        ``dist_autograd_ctx_id``, a distributed backward of that context (rrefrt.autograd),
+        run from the owner: read the gradients with ``rrefrt.autograd.get_gradients``. With
+        -1 (the default), a local ``value.backward(retain_graph)``; only the owner may do that."""
+        _autograd.rref_backward(self, dist_autograd_ctx_id, retain_graph)
+
     def __reduce__(self) -> Any:
         raise RpcError(
             f"Can not pickle rref in python pickler, rref can only be pickled when using RPC: {self!r} can only "

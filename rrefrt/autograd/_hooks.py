@@ -20,7 +20,9 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
-__all__ = ["active", "current_context_id", "set_current", "suspended", "traced_call", "wrap_call", "fetch_value"]
+__all__ = [
+    "active", "current_context_id", "set_current", "suspended", "traced_call", "wrap_call", "fetch_value", "rref_backward",
+]
 
 class _Local(threading.local):
     ctx: int | None = None  #: the context id active on this thread (None: no context)
@@ -89,3 +91,10 @@ def fetch_value(rref: Any) -> Any:
     """Runs on an RRef's owner: ``to_here()`` inside a context fetches the value with a
     recorded call, so tensors of the value that require grad stay connected (as torch)."""
     return rref.local_value()
+
+
+def rref_backward(rref: Any, context_id: int, retain_graph: bool) -> None:
+    """``RRef.backward``: see ``_engine.rref_backward`` (loaded here, on first use)."""
+    from . import _engine
+
+    _engine.rref_backward(rref, context_id, retain_graph)
