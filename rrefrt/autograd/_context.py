@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import itertools
 import pickle
+import queue
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -214,8 +215,34 @@ class Registry:
         #: context id -> number of backward passes of it running on this worker now (a
         #: ``backward()`` call here, or a gradient message being processed); 0s are removed
         self._passes: dict[int, int] = {}
+        #: context id -> queue of the thread running ``backward()`` of it on this worker,
+        #: from that call's start until its end (see NOTE [The root runs its own passes])
+        self._roots: dict[int, queue.SimpleQueue[Any]] = {}
         self._next_ctx = itertools.count(1)
         self._next_edge = itertools.count(1)
+
+    def attach_root(self, context_id: int, q: "queue.SimpleQueue[Any]") -> bool:
+        """Make ``q`` the queue of the backward of ``context_id`` running here; False if
+        another thread's backward of it already has one."""
+        with self._lock:
+            if context_id in self._roots:
+                return False
+            self._roots[context_id] = q
+            return True
+
+    def detach_root(self, context_id: int) -> None:
+        with self._lock:
+            self._roots.pop(context_id, None)
+
+    def offer_root(self, context_id: int, item: Any) -> bool:
+        """Hand ``item`` to the backward of ``context_id`` running here, if there is one
+        (atomic with ``detach_root``: an item handed over is always seen by that thread)."""
+        with self._lock:
+            q = self._roots.get(context_id)
+            if q is None:
+                return False
+            q.put(item)
+            return True
 
     def new_context_id(self) -> int:
         return (self.worker_id << _CTX_BITS) | next(self._next_ctx)

@@ -42,6 +42,14 @@ owns its storage, or a sparse one with contiguous indices and values, not shared
 another leaf of the pass); otherwise it stores a copy. An exception raised by the autograd
 computation on a worker becomes ``DistBackwardError('Error on Node <id>: ...')``.
 
+NOTE [The root runs its own passes]: while ``backward(cid)`` runs on a thread, gradient
+messages for ``cid`` that reach this worker are handed to that thread (``offer_root``)
+instead of running on the RPC thread that received them, as torch's engine runs a
+context's work on the graph task that owns it: the whole backward of the root's part runs
+on the caller's thread, so the profiler there records the SendRpcBackward nodes too. The
+thread waits on its queue, woken by each message and by the end of the backward; after it
+detaches it runs whatever was handed over before (detach and hand-over share a lock).
+
 NOTE [Release]: when ``with context()`` exits, the context is popped here and a release is
 sent to every peer it exchanged calls with; each peer pops its own and forwards to its
 peers (a worker that no longer has it answers at once). The exit waits, bounded by the rpc
@@ -54,6 +62,7 @@ import collections
 import concurrent.futures
 import inspect
 import logging
+import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -470,21 +479,39 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     reg = registry()
     t0 = time.monotonic()
     reg.begin_pass(context_id)
+    work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    own = reg.attach_root(context_id, work)
     try:
         with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
             sends = _local_pass(ctx, [(r, torch.ones_like(r)) for r in roots])
             fut = _send_grads(context_id, sends)
+            fut.add_done_callback(lambda _: work.put(None))
             limit = _limit()
-            try:
-                fut.result(limit)
-            except TimeoutError:
-                if fut.done():
-                    raise
-                raise rrefrt.RpcTimeoutError(
-                    f"distributed backward of autograd context {context_id} from worker "
-                    f"{rrefrt.get_worker_info().name!r} did not finish within {limit:.1f}s"
-                ) from None
+            deadline = time.monotonic() + limit
+            while not fut.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise rrefrt.RpcTimeoutError(
+                        f"distributed backward of autograd context {context_id} from worker "
+                        f"{rrefrt.get_worker_info().name!r} did not finish within {limit:.1f}s"
+                    )
+                try:
+                    item = work.get(timeout=left)
+                except queue.Empty:
+                    continue
+                if item is not None:
+                    _run_handed(context_id, *item)
+            fut.result(0)
     finally:
+        if own:
+            reg.detach_root(context_id)
+            while True:
+                try:
+                    item = work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    _run_handed(context_id, *item)
         reg.end_pass(context_id)
     log.debug("backward of context %d took %.3fs", context_id, time.monotonic() - t0)
 
@@ -643,10 +670,27 @@ def _send_grads(context_id: int, sends: dict[int, list[tuple[int, torch.Tensor]]
     return _all([_call(peer, _on_grads, (context_id, items)) for peer, items in sends.items()])
 
 
+def _run_handed(context_id: int, items: list[tuple[int, torch.Tensor]], out: Future[Any]) -> None:
+    """Run a gradient message handed to the root's thread; complete ``out`` as
+    ``_on_grads`` would have."""
+    try:
+        ctx = _known(context_id)
+        me = rrefrt.get_worker_info().name
+        sends = _local_pass(ctx, [(ctx.send_tensor(eid, me), g) for eid, g in items])
+        sub = _send_grads(context_id, sends)
+    except Exception as e:
+        out.set_exception(e)
+        return
+    sub.add_done_callback(lambda f: _complete(out, f.wait))
+
+
 @async_execution
 def _on_grads(context_id: int, items: list[tuple[int, torch.Tensor]]) -> Future[Any]:
     """Gradients for send edges of this worker: run the local pass from them and pass the
     results on; answers when everything downstream has answered."""
+    handed: Future[Any] = Future()
+    if registry().offer_root(context_id, (items, handed)):  # NOTE [The root runs its own passes]
+        return handed
     ctx = _known(context_id)
     me = rrefrt.get_worker_info().name
     reg = registry()
