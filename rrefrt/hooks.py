@@ -20,10 +20,14 @@ The call sites read::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 from typing import Any, Callable, Iterator
 
-__all__ = ["register_interceptor", "active", "current_context_id", "set_current", "suspended", "traced_call", "wrap_call", "fetch_value"]
+__all__ = [
+    "register_interceptor", "active", "current_context_id", "set_current", "suspended", "traced_call", "wrap_call",
+    "fetch_value", "rref_backward", "register_backward",
+]
 
 class _Local(threading.local):
     ctx: int | None = None  #: the context id active on this thread (None: no context)
@@ -105,3 +109,24 @@ def fetch_value(rref: Any) -> Any:
     """Runs on an RRef's owner: ``to_here()`` inside a context fetches the value with a
     recorded call, so tensors of the value that require grad stay connected (as torch)."""
     return rref.local_value()
+
+
+#: the engine's ``rref_backward``, set when the engine is imported
+_backward: Callable[[Any, int, bool], None] | None = None
+
+
+def register_backward(fn: Callable[[Any, int, bool], None]) -> None:
+    """Called once by the distributed autograd engine at import: ``RRef.backward`` runs ``fn``."""
+    global _backward
+    _backward = fn
+
+
+def rref_backward(rref: Any, context_id: int, retain_graph: bool) -> None:
+    """``RRef.backward`` (see the engine's ``rref_backward``). Unlike a recorded call, this
+    can be the first use of distributed autograd in a process, so the engine is loaded by
+    name here if it has not registered yet: a plug-in load at run time (the engine imports
+    torch), not an import of this module."""
+    if _backward is None:
+        importlib.import_module("rrefrt.autograd._engine")  # registers itself
+    assert _backward is not None
+    _backward(rref, context_id, retain_graph)

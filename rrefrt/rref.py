@@ -28,6 +28,7 @@ import weakref
 from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
 
 from rrefrt import state
+from rrefrt.payload import torchimport
 from rrefrt import hooks as _autograd
 from rrefrt.errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
 from rrefrt.functions import is_async_execution, is_future, wrong_return_type
@@ -143,8 +144,23 @@ class RRef(Generic[T]):
             owner = f"worker {self._owner_id()}"
         return f"{kind}(owner={owner}, rref_id={rid}, fork_id={fid})"
 
-    def __class_getitem__(cls, item: Any) -> Any:  # RRef[int] in annotations
-        return cls
+    def __class_getitem__(cls, item: Any) -> Any:
+        """``RRef[T]`` in annotations. Python does not check annotations: it is the class
+        itself, except where torch is loaded, where it is torch's ``RRef[T]``, the one RRef
+        type TorchScript knows. A module that compiles a TorchScript function annotated
+        ``RRef[T]`` (torch's own test files do, at import) must still import; TorchScript
+        would otherwise try to compile this class. rrefrt does not run TorchScript calls: such
+        a function sent over RPC fails at the call site with ``SerializationError``."""
+        api = torchimport.loaded_module("torch.distributed.rpc.api")
+        torch_rref = getattr(api, "RRef", None) if api is not None else None
+        return cls if torch_rref is None else torch_rref[item]
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run a backward pass with this RRef's value (a scalar tensor) as its root. With
+        ``dist_autograd_ctx_id``, a distributed backward of that context (rrefrt.autograd),
+        run from the owner: read the gradients with ``rrefrt.autograd.get_gradients``. With
+        -1 (the default), a local ``value.backward(retain_graph)``; only the owner may do that."""
+        _autograd.rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
     def __reduce__(self) -> Any:
         raise RpcError(

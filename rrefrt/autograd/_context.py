@@ -1,8 +1,9 @@
 """Distributed autograd contexts: the per-worker state of every context this worker takes
 part in, and nothing else (no I/O, no autograd computation).
 
-Owns: ``AutogradContext`` (send edges, receive edges, accumulated gradients, peers) and the
-``Registry`` of live contexts of one runtime. Imports torch (tensors are the payload) and
+Owns: ``AutogradContext`` (send edges, receive edges, their send/recv functions, accumulated
+gradients, peers) and the ``Registry`` of live contexts of one runtime (and of the backward
+passes running on it). Imports torch (tensors are the payload) and
 ``rrefrt.state`` only to find the current runtime; it must not import the API, the runtime
 internals or the engine.
 
@@ -18,9 +19,16 @@ are remembered; such a call fails with AutogradContextError instead of leaking a
 Rule 3: a send edge ``e`` of context ``c`` on worker ``w`` is a tensor ``w`` sent (as a call
 argument or result) that required grad; its id is unique on ``w``. The tensor, and so its
 autograd graph, stays alive until ``c`` is released on ``w``.
+Rule 3b: the tensors of one message that require grad go through one *send function*
+(``SendRpcBackward``, a node whose next functions are those tensors' grad_fns); a send edge
+is one output of it. ``send_functions`` maps the message id to that node (torch's
+``_send_functions()``), until release.
 Rule 4: a receive edge is a leaf tensor this worker built from a received tensor, paired
 with the (peer, edge id) of the peer's send edge: the gradient reaching that leaf in a local
-pass is sent to the peer for that send edge.
+pass is sent to the peer for that send edge. The tensors of one received message that
+required grad on their sender come out of one *recv function* (``RecvRpcBackward``, whose
+inputs are those leaves); the program gets its outputs, so ``tensor.grad_fn`` is that node
+(torch's ``_recv_functions()``).
 Rule 5: ``peers`` holds every worker this context exchanged a call with on this worker; a
 release is forwarded to each of them (a worker without the context ignores it), so every
 worker that took part is reached.
@@ -34,6 +42,8 @@ from __future__ import annotations
 
 import collections
 import itertools
+import pickle
+import queue
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -44,7 +54,7 @@ import torch
 from rrefrt import state
 from rrefrt.errors import RpcError
 
-__all__ = ["AutogradContext", "AutogradContextError", "Registry", "registry", "RecvEdge"]
+__all__ = ["AutogradContext", "AutogradContextError", "DistBackwardError", "Registry", "registry", "RecvEdge", "unknown_context"]
 
 _CTX_BITS = 48
 _TOMBSTONES = 4096
@@ -53,6 +63,35 @@ _TOMBSTONES = 4096
 class AutogradContextError(RpcError):
     """A distributed autograd context is unknown here (never opened, or already released),
     or was used in a way its rules forbid."""
+
+
+class DistBackwardError(RpcError):
+    """The autograd computation of a distributed backward failed on a worker (a backward
+    function raised). The message starts with torch's ``Error on Node <worker id>: <the
+    original message>``; ``original`` is the exception raised there (None where it could
+    not travel) and, on that worker, also ``__cause__``. Failures of the RPC layer itself (a
+    dead worker, a timeout) keep their own types (``WorkerUnavailableError``, ...)."""
+
+    def __init__(self, message: str, original: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.original = original
+
+    def __reduce__(self) -> Any:
+        original = self.original
+        if original is not None:
+            try:
+                pickle.loads(pickle.dumps(original))
+            except Exception:
+                original = None
+        return (type(self), (self.args[0], original))
+
+
+def unknown_context(context_id: int, worker: str) -> AutogradContextError:
+    """The error for a context id this worker does not have (torch's phrase first)."""
+    return AutogradContextError(
+        f"Could not find autograd context with id: {context_id} on worker {worker!r}: the context is not known "
+        "here; it was never opened here or was already released (use it inside its `with context()` block)"
+    )
 
 
 @dataclass(frozen=True)
@@ -75,11 +114,46 @@ class AutogradContext:
     grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: worker ids this context exchanged calls with on this worker (Rule 5)
     peers: set[int] = field(default_factory=set)
+    #: message id -> SendRpcBackward node of the message's tensors (Rule 3b); until release
+    send_functions: dict[int, Any] = field(default_factory=dict)
+    #: message key -> RecvRpcBackward node of a received message (Rule 4); until release
+    recv_functions: dict[int, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def initiator(self) -> int:
         return self.context_id >> _CTX_BITS
+
+    # torch.distributed.autograd.DistAutogradContext's introspection, same names and meaning
+    def _context_id(self) -> int:
+        """This context's id."""
+        return self.context_id
+
+    def _send_functions(self) -> dict[int, Any]:
+        """{message id: SendRpcBackward node} of the messages this worker sent in this
+        context with tensors that require grad, in the order they were sent."""
+        with self.lock:
+            return dict(self.send_functions)
+
+    def _recv_functions(self) -> dict[int, Any]:
+        """{message id: RecvRpcBackward node} of the messages this worker received in this
+        context with tensors that required grad on their sender, in the order received."""
+        with self.lock:
+            return dict(self.recv_functions)
+
+    def _known_worker_ids(self) -> set[int]:
+        """Ids of the workers this context exchanged calls with on this worker."""
+        with self.lock:
+            return set(self.peers)
+
+    def add_send_function(self, message_id: int, node: Any, peer: int) -> None:
+        with self.lock:
+            self.send_functions[message_id] = node
+            self.peers.add(peer)
+
+    def add_recv_function(self, message_key: int, node: Any) -> None:
+        with self.lock:
+            self.recv_functions[message_key] = node
 
     def add_send(self, edge_id: int, tensor: torch.Tensor, peer: int) -> None:
         with self.lock:
@@ -138,11 +212,64 @@ class Registry:
         self._contexts: dict[int, AutogradContext] = {}
         #: ids of recently released contexts, oldest first (Rule 2); at most _TOMBSTONES
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        #: context id -> number of backward passes of it running on this worker now (a
+        #: ``backward()`` call here, or a gradient message being processed); 0s are removed
+        self._passes: dict[int, int] = {}
+        #: context id -> queue of the thread running ``backward()`` of it on this worker,
+        #: from that call's start until its end (see NOTE [The root runs its own passes])
+        self._roots: dict[int, queue.SimpleQueue[Any]] = {}
         self._next_ctx = itertools.count(1)
         self._next_edge = itertools.count(1)
 
+    def attach_root(self, context_id: int, q: "queue.SimpleQueue[Any]") -> bool:
+        """Make ``q`` the queue of the backward of ``context_id`` running here; False if
+        another thread's backward of it already has one."""
+        with self._lock:
+            if context_id in self._roots:
+                return False
+            self._roots[context_id] = q
+            return True
+
+    def detach_root(self, context_id: int) -> None:
+        with self._lock:
+            self._roots.pop(context_id, None)
+
+    def offer_root(self, context_id: int, item: Any) -> bool:
+        """Hand ``item`` to the backward of ``context_id`` running here, if there is one
+        (atomic with ``detach_root``: an item handed over is always seen by that thread)."""
+        with self._lock:
+            q = self._roots.get(context_id)
+            if q is None:
+                return False
+            q.put(item)
+            return True
+
     def new_context_id(self) -> int:
         return (self.worker_id << _CTX_BITS) | next(self._next_ctx)
+
+    def max_id(self) -> int:
+        """The largest context id this worker can open (torch's ``_get_max_id``)."""
+        return (self.worker_id << _CTX_BITS) | ((1 << _CTX_BITS) - 1)
+
+    def begin_pass(self, context_id: int) -> None:
+        with self._lock:
+            self._passes[context_id] = self._passes.get(context_id, 0) + 1
+
+    def end_pass(self, context_id: int) -> None:
+        with self._lock:
+            n = self._passes.get(context_id, 0) - 1
+            if n > 0:
+                self._passes[context_id] = n
+            else:
+                self._passes.pop(context_id, None)
+
+    def debug_info(self) -> dict[str, str]:
+        """torch's ``_get_debug_info``: contexts with a backward running here, live contexts."""
+        with self._lock:
+            return {
+                "num_current_backward_passes": str(len(self._passes)),
+                "num_autograd_contexts": str(len(self._contexts)),
+            }
 
     def new_edge_id(self) -> int:
         return next(self._next_edge)

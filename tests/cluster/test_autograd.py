@@ -401,6 +401,165 @@ def test_to_here_inside_a_context_is_recorded(mods):
     _assert_close(ga + gb + [gx], [p.grad for p in la.parameters()] + [p.grad for p in lb.parameters()] + [xl.grad])
 
 
+# ------------------------------------------------------------------ torch's names and behaviour
+SEND = "torch::distributed::autograd::SendRpcBackward"
+RECV = "torch::distributed::autograd::RecvRpcBackward"
+
+
+def test_introspection_shows_the_send_and_recv_functions_of_each_worker(cluster):
+    t1 = torch.ones(3, requires_grad=True)
+    t2 = torch.zeros(3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        ret = rrefrt.rpc_sync("w1", fns.combine, args=(t1, t2))
+        ctx = dist_autograd._current_context()
+        assert ctx._context_id() == cid and dist_autograd._retrieve_context(cid) is ctx
+        sends, recvs = ctx._send_functions(), ctx._recv_functions()
+        assert len(sends) == 1 and len(recvs) == 1
+        send = next(iter(sends.values()))
+        assert send.name() == SEND
+        assert [(n.variable, nr) for n, nr in send.next_functions] == [(t1, 0), (t2, 0)]
+        assert ret.grad_fn is next(iter(recvs.values())) and ret.grad_fn.name() == RECV
+        assert ctx._known_worker_ids() == {rrefrt.get_worker_info("w1").id}
+        # w1 received one message (its recv function) and sent the result back from combine's graph
+        remote = rrefrt.rpc_sync("w1", fns.graph_summary, args=(cid,))
+        assert remote["sends"] == [SEND] and remote["recvs"] == [RECV], remote
+        assert remote["send_next"] == [["AddBackward0"]] and remote["workers"] == [0], remote
+        info = dist_autograd._get_debug_info()
+        assert set(info) == {"num_current_backward_passes", "num_autograd_contexts"}
+        assert info["num_current_backward_passes"] == "0" and int(info["num_autograd_contexts"]) >= 1
+        assert dist_autograd._get_max_id() == (1 << 48) - 1  # w0's worker id (0) in the top 16 bits
+    with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: {cid}"):
+        dist_autograd._retrieve_context(cid)
+    with pytest.raises(RuntimeError, match="Current thread doesn't have a valid autograd context"):
+        dist_autograd._current_context()
+    ctx = dist_autograd._new_context()  # a context without a with block: current until released
+    assert dist_autograd.current_context_id() == ctx._context_id()
+    rrefrt.rpc_sync("w1", fns.combine, args=(t1, t2))
+    assert rrefrt.rpc_sync("w1", fns.context_ids) == [ctx._context_id()]
+    dist_autograd._release_context(ctx._context_id())
+    assert dist_autograd.current_context_id() is None
+    _no_contexts_anywhere()
+
+
+def test_errors_carry_torchs_phrases(cluster):
+    t = torch.rand(3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        with pytest.raises(dist_autograd.AutogradContextError, match="Already have an autograd context id for this thread.*do not nest"):
+            with dist_autograd.context():
+                pass
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            dist_autograd.backward(cid, None)
+        with pytest.raises(TypeError, match="incompatible function arguments"):
+            dist_autograd.backward(None, None)
+        with pytest.raises(RuntimeError, match="No tensors provided for gradient computation"):
+            dist_autograd.backward(cid, [])
+        with pytest.raises(RuntimeError, match="requires_grad not set on"):
+            dist_autograd.backward(cid, [torch.rand(3)])
+        with pytest.raises(RuntimeError, match="is not a scalar, all roots need to be scalar"):
+            dist_autograd.backward(cid, [t * 2])
+        with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
+            dist_autograd.backward(cid, [torch.rand(1, requires_grad=True)])
+    with pytest.raises(RuntimeError, match="Could not find autograd context with id: 100 "):
+        dist_autograd.backward(100, [(t * 2).sum()])
+
+
+def test_a_backward_function_error_is_error_on_node(cluster):
+    """torch's 'Error on Node N: <message>' (a RuntimeError), carrying the original."""
+    x = torch.rand(3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        y = rrefrt.rpc_sync("w1", fns.raise_in_backward, args=(x,))
+        with pytest.raises(RuntimeError, match=f"Error on Node {rrefrt.get_worker_info('w1').id}: boom in backward") as err:
+            dist_autograd.backward(cid, [y.sum()])
+    assert isinstance(err.value, dist_autograd.DistBackwardError)
+    assert isinstance(err.value.original, ValueError) and "w1" in str(err.value)
+    _no_contexts_anywhere()
+
+
+def test_rref_backward_on_owner_and_user(cluster):
+    x = torch.rand(4, requires_grad=True)
+    rrefrt.RRef((x * 2).sum()).backward()  # -1: a local backward on the owner
+    assert torch.equal(x.grad, torch.full((4,), 2.0))
+    with dist_autograd.context() as cid:
+        y = rrefrt.rpc_sync("w1", fns.combine, args=(x, x))  # x * x + x
+        rrefrt.RRef(y.sum()).backward(cid)
+        torch.testing.assert_close(dist_autograd.get_gradients(cid)[x], 2 * x.detach() + 1)
+    with dist_autograd.context() as cid:
+        rref = rrefrt.remote("w1", fns.total, args=(x,))
+        rref.backward(cid, retain_graph=True)
+        rref.backward(cid)
+        assert torch.equal(dist_autograd.get_gradients(cid)[x], torch.full((4,), 2.0))
+        with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id' to be specified"):
+            rref.backward()
+        with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward\(\)"):
+            rrefrt.remote("w1", fns.context_ids).backward(cid)
+    _no_contexts_anywhere()
+
+
+def test_post_hooks_run_and_gradients_are_not_copied_needlessly(cluster):
+    calls = []
+    t = torch.rand(5, 6, requires_grad=True)
+    a = t + t
+    acc = a.grad_fn.next_functions[0][0]
+    acc.register_hook(lambda grad_inputs, grad_outputs: calls.append(len(grad_outputs)))
+    ptrs = {}
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            ptrs["g"] = g.data_ptr()
+            return g
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            return x + y
+
+        @staticmethod
+        def backward(ctx, g):
+            ptrs["g2"] = g.data_ptr()
+            return g, g
+
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [a.sum()])
+        assert calls == [1] and t.grad is None  # the hook ran once; .grad untouched
+    s = torch.rand(5, 6, requires_grad=True)
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [Keep.apply(t)[1][0]])
+        assert dist_autograd.get_gradients(cid)[t].data_ptr() == ptrs["g"]  # stolen, not copied
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [Twice.apply(t, s)[1][0]])
+        g = dist_autograd.get_gradients(cid)
+        assert len({g[t].data_ptr(), g[s].data_ptr(), ptrs["g2"]}) == 3  # one buffer for two leaves: copies
+
+
+def test_profiler_records_the_send_and_recv_functions_on_the_root(cluster):
+    t1 = torch.rand(3, 3, requires_grad=True)
+    t2 = torch.rand(3, 3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        loss = rrefrt.rpc_sync("w1", torch.add, args=(t1, t2)).sum()
+        with torch.autograd.profiler.profile() as prof:
+            dist_autograd.backward(cid, [loss])
+    names = [e.name for e in prof.function_events]
+    assert sum(SEND in n and "evaluate_function" not in n for n in names) == 1, names
+    assert sum(RECV in n and "evaluate_function" not in n for n in names) == 1, names
+    assert "torch::distributed::autograd::backward" in names
+
+
+def test_torchscript_function_annotated_rref_compiles():
+    """A module that compiles a TorchScript function annotated RRef[T] still imports (torch's
+    dist_autograd_test does this at import); TorchScript sees torch's RRef type."""
+
+    def add_rref(r: rrefrt.RRef[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        return torch.add(r.to_here(), t)
+
+    scripted = torch.jit.script(add_rref)
+    assert "RRef" in str(scripted.graph)
+
+
 # ------------------------------------------------------------------ unit tests (no processes)
 def test_registry_rules_unit():
     from collections import namedtuple

@@ -140,3 +140,34 @@ def async_forward(rref: rrefrt.RRef, x: torch.Tensor) -> Any:
     """@async_execution inside a context: the nested call is recorded, and so is the result
     of the Future this returns."""
     return rrefrt.rpc_async(rref.owner(), call_method, args=(Layer.forward, rref, x * 2.0)).then(lambda f: f.wait() + x)
+
+
+# ------------------------------------------------------------------ torch's names and behaviour
+def graph_summary(context_id: int) -> dict[str, Any]:
+    """What this worker recorded for the context, through torch's introspection names."""
+    ctx = dist_autograd._retrieve_context(context_id)
+    sends = list(ctx._send_functions().values())
+    return {
+        "sends": [n.name() for n in sends],
+        "send_next": [[nxt.name() for nxt, _ in n.next_functions] for n in sends],
+        "recvs": [n.name() for n in ctx._recv_functions().values()],
+        "workers": sorted(ctx._known_worker_ids()),
+    }
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom in backward")
+
+
+def raise_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return _RaiseInBackward.apply(x) * 2.0
+
+
+def total(x: torch.Tensor) -> torch.Tensor:
+    return x.sum()

@@ -7,9 +7,14 @@ rrefrt's, in the running process. It must run before ``rpc_test`` (or anything t
 at import, and the worker processes that torch's ``MultiProcessTestCase`` spawns import that
 module to unpickle their test class, so they are aliased too.
 
-What the alias does not cover, on purpose: torch's private helpers (``rpc.api._...``,
-``rpc._get_current_rpc_agent``, ``rpc.internal``), the TensorPipe agent, distributed autograd
-and the profiler. Tests that reach for those keep talking to torch's own (uninitialised) RPC
+It also points ``torch.distributed.autograd`` (``context``, ``backward``, ``get_gradients``
+and the introspection helpers ``_current_context``, ``_retrieve_context``, ...: AUTOGRAD_NAMES)
+at ``rrefrt.autograd`` and ``torch.distributed.optim.DistributedOptimizer`` at
+``rrefrt.optim``'s, so that torch's DistAutogradTest and DistOptimizerTest run on rrefrt.
+
+What the alias does not cover, on purpose: torch's private RPC helpers (``rpc.api._...``,
+``rpc._get_current_rpc_agent``, ``rpc.internal``), the TensorPipe agent and the server-side
+profiler. Tests that reach for those keep talking to torch's own (uninitialised) RPC
 runtime and are listed in docs/compatibility.md as expected to differ.
 
 One private helper is adapted rather than left alone: ``_rref_context_get_debug_info``. The
@@ -39,6 +44,21 @@ PUBLIC_NAMES: dict[str, str] = {
     "functions": "functions",
 }
 
+#: ``torch.distributed.autograd`` names that ``rrefrt.autograd`` provides with the same meaning.
+AUTOGRAD_NAMES: tuple[str, ...] = (
+    "context",
+    "backward",
+    "get_gradients",
+    "_current_context",
+    "_retrieve_context",
+    "_new_context",
+    "_release_context",
+    "_is_valid_context",
+    "_get_debug_info",
+    "_get_max_id",
+    "DistAutogradContext",
+)
+
 _installed = False
 
 
@@ -65,4 +85,15 @@ def install() -> None:
     for torch_name, ours in PUBLIC_NAMES.items():
         setattr(trpc, torch_name, getattr(rrefrt, ours))
     trpc._rref_context_get_debug_info = rref_context_debug_info  # type: ignore[attr-defined]
+
+    import torch.distributed.autograd as tdist_autograd
+    import torch.distributed.optim as toptim
+
+    import rrefrt.autograd
+    import rrefrt.optim
+
+    for name in AUTOGRAD_NAMES:
+        if hasattr(rrefrt.autograd, name):
+            setattr(tdist_autograd, name, getattr(rrefrt.autograd, name))
+    toptim.DistributedOptimizer = rrefrt.optim.DistributedOptimizer  # type: ignore[misc]
     _installed = True

@@ -1,4 +1,4 @@
-"""Run torch's RPC test classes against rrefrt and record every outcome (not part of CI).
+"""Run torch's RPC test classes (tests/torch_compat/suite.py) against rrefrt and record every outcome (not part of CI).
 
     PYTHONPATH=$PWD .venv/bin/python -m tests.torch_compat.run_all \
         --cls RpcTest --slice 0:40 --out /tmp/compat-RpcTest-0.jsonl [-k substring]
@@ -18,7 +18,11 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cls", default="RpcTest", choices=["RpcTest", "TensorPipeAgentRpcTest"])
+    p.add_argument(
+        "--cls",
+        default="RpcTest",
+        choices=["RpcTest", "TensorPipeAgentRpcTest", "DistAutogradTest", "TensorPipeAgentDistAutogradTest", "DistOptimizerTest"],
+    )
     p.add_argument("--slice", default=":", help="start:stop over the sorted test names")
     p.add_argument("-k", default="", help="only names containing this substring")
     p.add_argument("--out", required=True)

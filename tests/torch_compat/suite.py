@@ -1,8 +1,10 @@
-"""torch's RpcTest / TensorPipeAgentRpcTest classes, pointed at rrefrt.
+"""torch's RPC test classes, pointed at rrefrt: RpcTest and TensorPipeAgentRpcTest
+(rpc_test.py), DistAutogradTest and TensorPipeAgentDistAutogradTest (dist_autograd_test.py),
+DistOptimizerTest (dist_optimizer_test.py).
 
 Importing this module installs the alias (tests/torch_compat/alias.py) and then imports
-``torch.testing._internal.distributed.rpc.rpc_test`` from the installed torch (nothing is
-copied). It builds the two test classes the way torch's ``rpc_utils.generate_tests`` does:
+``rpc_test``, ``dist_autograd_test`` and ``dist_optimizer_test`` from
+``torch.testing._internal.distributed.rpc`` in the installed torch (nothing is copied). It builds the test classes the way torch's ``rpc_utils.generate_tests`` does:
 the generic suite, an agent fixture, and ``SpawnHelper`` (torch's ``MultiProcessTestCase``:
 each test method runs in 4 fresh worker processes, forked by default - see START_METHOD).
 The classes live here, at module level, because spawned workers find their class by
@@ -34,7 +36,11 @@ alias.install()
 
 import rrefrt  # noqa: E402
 import torch.multiprocessing  # noqa: E402
-from torch.testing._internal.distributed.rpc import rpc_test  # noqa: E402
+from torch.testing._internal.distributed.rpc import (  # noqa: E402
+    dist_autograd_test,
+    dist_optimizer_test,
+    rpc_test,
+)
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import (  # noqa: E402
     RpcAgentTestFixture,
 )
@@ -95,9 +101,26 @@ class RrefrtTensorPipeAgentRpcTest(rpc_test.TensorPipeAgentRpcTest, RrefrtAgentF
     pass
 
 
+class RrefrtDistAutogradTest(dist_autograd_test.DistAutogradTest, RrefrtAgentFixture, SpawnHelper):
+    pass
+
+
+class RrefrtTensorPipeAgentDistAutogradTest(
+    dist_autograd_test.TensorPipeAgentDistAutogradTest, RrefrtAgentFixture, SpawnHelper
+):
+    pass
+
+
+class RrefrtDistOptimizerTest(dist_optimizer_test.DistOptimizerTest, RrefrtAgentFixture, SpawnHelper):
+    pass
+
+
 CLASSES: dict[str, type[unittest.TestCase]] = {
     "RpcTest": RrefrtRpcTest,
     "TensorPipeAgentRpcTest": RrefrtTensorPipeAgentRpcTest,
+    "DistAutogradTest": RrefrtDistAutogradTest,
+    "TensorPipeAgentDistAutogradTest": RrefrtTensorPipeAgentDistAutogradTest,
+    "DistOptimizerTest": RrefrtDistOptimizerTest,
 }
 
 
