@@ -21,6 +21,7 @@ import transport
 
 from . import serialization as ser
 from .errors import (
+    ArgumentError,
     OwnerDiedError,
     RpcError,
     RpcTimeoutError,
@@ -237,7 +238,7 @@ class Caller:
     # ------------------------------------------------------------------ payloads
     def dumps_call(self, func: Any, args: Any, kwargs: Any, dest: int) -> tuple[list[Any], list[Any]]:
         if not callable(func):
-            raise TypeError(f"func must be callable, got {type(func).__name__}")
+            raise ArgumentError(f"func must be callable, got {type(func).__name__}")
         args = () if args is None else tuple(args)
         kwargs = {} if kwargs is None else dict(kwargs)
         return self.dumps((func, args, kwargs), dest)

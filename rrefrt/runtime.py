@@ -58,7 +58,7 @@ from .messages import (
     decode,
 )
 from .options import RpcBackendOptions, WorkerInfo
-from . import state
+from . import arguments, state
 from .pool import WorkerPool
 from .rref import RRef
 from .rref_context import OwnerRecord, RRefContext
@@ -194,9 +194,9 @@ class Runtime:
         return w.name if w is not None else f"<worker {worker_id}>"
 
     def timeout(self, timeout: float | None) -> float:
-        if timeout is None or timeout < 0:
-            return self.options.rpc_timeout
-        return float(timeout)
+        """A call's timeout in seconds (0: none); ArgumentError for NaN, inf or a non-number."""
+        t = arguments.call_timeout(timeout)
+        return self.options.rpc_timeout if t is None else t
 
 
     def is_local(self, peer: int) -> bool:
