@@ -33,6 +33,10 @@ Rules:
    reachable from the peer, e.g. another mount namespace), the whole group falls back to the
    inner transport for this worker after logging why; an authentication failure fails the
    join (a same-host stranger is refused exactly as a CURVE one would be).
+6. A same-host connection closed after a protocol error (NOTE [Protocol errors] in
+   transport.unix) is not a death: that peer goes through the inner transport from then on,
+   and only the inner transport's liveness (which spreads its verdicts to every member)
+   judges it. So no frame on one connection can make one member alone hold a peer dead.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class AutoTransport:
         )
         if self.local is not None:  # Rule 3: silence is judged by the inner transport's echo
             self.local.judge_silence = False
+            self.local.on_closed = self._path_closed
         self._local_ids: frozenset[int] = frozenset()
         self._hook: Any = None
 
@@ -175,6 +180,13 @@ class AutoTransport:
         if self.local is not None:  # whoever saw it first, both paths fence it
             self.local.declare_dead(peer_id, cause)
         self._on_peer_dead(peer_id, cause)
+
+    def _path_closed(self, peer_id: int, cause: str) -> None:
+        """Rule 6: the same-host connection with ``peer_id`` was closed after a protocol
+        error; the peer goes through the inner transport from now on (both sides do)."""
+        self._local_ids = self._local_ids - {peer_id}
+        log.info("worker %r: worker %r is reached through %s from now on (%s)",
+                 self.name, self.inner.peer_name(peer_id), type(self.inner).__name__, cause)
 
     def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
         """NOTE [Inline calls] in transport/unix_lead.py: only for what the unix transport's
