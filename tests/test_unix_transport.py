@@ -24,7 +24,7 @@ from tests.support import ROOT, env_for, poll_for
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
 from tests.unix_support import Child, Group, group
 from transport.base import PeerAddress, PeerSpec, TransportConfig, create
-from transport.errors import AgentClosed, AuthenticationFailed, PeerUnavailable, RequestTimeout
+from transport.errors import AgentClosed, AuthenticationFailed, Fenced, PeerUnavailable, RequestTimeout
 from transport.unix import UnixTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -457,53 +457,84 @@ def _reacted(stats: dict) -> dict | None:
     return stats if stats["stats"].get("protocol_errors") or stats["stats"].get("peers_declared_dead") else None
 
 
+class _ImpostorGroup:
+    """w0 (this process, composite transport, no secret) and a child w1, joined by hand so that
+    an impostor process claiming w0's identity passes w1's same-host admission first (the
+    race it can win): w1 then holds the impostor's connection as w0's, and w0 falls back to
+    zmq for w1 (w1 refused w0's own connection)."""
+
+    def __init__(self, then: str) -> None:
+        self.g = Group()
+        self.stop = threading.Event()
+        self.impostor: subprocess.Popen | None = None
+        g = self.g
+        inc0 = random.getrandbits(62)
+        cfg = TransportConfig(worker_id=0, name="w0", incarnation=inc0, kind="auto", extra={"auto_inner": "zmq"})
+        g.t = create(cfg, lambda *a: g.messages.put(a), lambda p, c: g.dead.put((p, c)))
+        addr = g.t.listen()
+        g.t.start()
+        self.w1 = w1 = Child({"id": 1, "name": "w1", "secret": None, "kind": "auto", "auto_inner": "zmq"})
+        g.children.append(w1)
+        table = [{"id": 0, "name": "w0", "incarnation": inc0, "address": addr.to_wire()},
+                 {"id": 1, "name": "w1", "incarnation": w1.hello["incarnation"], "address": w1.hello["address"]}]
+        w1.tell(table)
+        self.impostor = subprocess.Popen(
+            [sys.executable, str(IMPOSTOR), json.dumps({
+                "path": w1.hello["address"]["endpoints"]["unix"], "id": 0, "incarnation": inc0,
+                "target_id": 1, "target_incarnation": w1.hello["incarnation"], "then": then})],
+            env=env_for(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        assert self.event() == "hello_sent"
+        # w0's same-host join starts once the impostor is in (the race it won)
+        local = g.t.local
+        orig = local.connect_peers
+
+        def after_the_impostor(peers: Any, timeout: float) -> None:
+            assert self.event() == "admitted"
+            orig(peers, timeout)
+
+        local.connect_peers = after_the_impostor
+        specs = [PeerSpec(p["id"], p["name"], p["incarnation"], PeerAddress.from_wire(p["address"])) for p in table]
+        #: w0's join failed with Fenced: w1 declared it dead (and told it) before it completed
+        self.join_fenced: Fenced | None = None
+        try:
+            g.t.connect_peers(specs, 10.0)  # w1 refuses w0's own connection: w0 goes through zmq
+        except Fenced as e:
+            self.join_fenced = e
+            return
+        assert w1.expect("ready", 20) == {"event": "ready"}
+        assert g.t.local is None, "w0 should have fallen back to its inner transport"
+        _answer_echoes(g, self.stop)
+
+    def event(self) -> str:
+        assert self.impostor is not None and self.impostor.stdout is not None
+        return json.loads(self.impostor.stdout.readline())["event"]
+
+    def wait_event(self, name: str) -> None:
+        """Skip the impostor's events up to ``name`` (bounded by the test's timeout)."""
+        while (ev := self.event()) != name:
+            assert ev, f"the impostor ended before {name!r}"
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.impostor is not None:
+            self.impostor.kill()
+            self.impostor.wait(5)
+        self.g.close()
+
+
 def test_an_impostors_bad_frame_closes_its_connection_and_splits_no_membership() -> None:
     """Issue 21 item 7: without a secret, a same-uid process that read the store passes the
     same-host admission of w1 as w0 (it got there first), then sends one frame that breaks
     the framing. w1 used to declare w0 dead on that frame - w1 alone: a split membership, w0
     went on with the others. Now w1 closes that connection (counted, logged), judges nobody,
     and reaches the real w0 over the inner transport, both ways."""
-    g = Group()
-    stop = threading.Event()
-    impostor = None
+    ig = _ImpostorGroup("bad_frame")
+    g, w1 = ig.g, ig.w1
     try:
-        # the group by hand: the impostor's HELLO must reach w1 before w0's own connection
-        inc0 = random.getrandbits(62)
-        cfg = TransportConfig(worker_id=0, name="w0", incarnation=inc0, kind="auto", extra={"auto_inner": "zmq"})
-        g.t = create(cfg, lambda *a: g.messages.put(a), lambda p, c: g.dead.put((p, c)))
-        addr = g.t.listen()
-        g.t.start()
-        w1 = Child({"id": 1, "name": "w1", "secret": None, "kind": "auto", "auto_inner": "zmq"})
-        g.children.append(w1)
-        table = [{"id": 0, "name": "w0", "incarnation": inc0, "address": addr.to_wire()},
-                 {"id": 1, "name": "w1", "incarnation": w1.hello["incarnation"], "address": w1.hello["address"]}]
-        w1.tell(table)
-        impostor = subprocess.Popen(
-            [sys.executable, str(IMPOSTOR), json.dumps({
-                "path": w1.hello["address"]["endpoints"]["unix"], "id": 0, "incarnation": inc0,
-                "target_id": 1, "target_incarnation": w1.hello["incarnation"]})],
-            env=env_for(), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, start_new_session=True,
-        )
-        assert impostor.stdout is not None
-        assert json.loads(impostor.stdout.readline())["event"] == "hello_sent"
-        # w0's same-host join starts once the impostor is in (the race it won)
-        local = g.t.local
-        orig = local.connect_peers
-
-        def after_the_impostor(peers: Any, timeout: float) -> None:
-            assert impostor is not None and impostor.stdout is not None
-            assert json.loads(impostor.stdout.readline())["event"] == "admitted"
-            orig(peers, timeout)
-
-        local.connect_peers = after_the_impostor
-        specs = [PeerSpec(p["id"], p["name"], p["incarnation"], PeerAddress.from_wire(p["address"])) for p in table]
-        g.t.connect_peers(specs, 10.0)  # w1 refuses w0's own connection: w0 goes through zmq
-        assert w1.expect("ready", 20) == {"event": "ready"}
-        assert g.t.local is None, "w0 should have fallen back to its inner transport"
-        _answer_echoes(g, stop)
-        assert json.loads(impostor.stdout.readline())["event"] == "bad_frame_sent"
-        assert json.loads(impostor.stdout.readline())["event"] == "closed"  # w1 closed that connection
+        assert ig.join_fenced is None, f"w1 declared w0 dead: {ig.join_fenced}"
+        assert ig.event() == "bad_frame_sent"
+        assert ig.event() == "closed"  # w1 closed that connection
         st = poll_for(lambda: _reacted(_child_stats(w1)), 10, "w1 reacts to the bad frame")
         assert st["dead_peers"] == [] and not st["stats"].get("peers_declared_dead"), \
             f"w1 alone declared w0 dead: a split membership ({st})"
@@ -516,11 +547,26 @@ def test_an_impostors_bad_frame_closes_its_connection_and_splits_no_membership()
         assert g.dead.empty() and g.t.is_alive(1) and g.t.dead_peers() == set()
         assert _child_stats(w1)["dead_peers"] == []
     finally:
-        stop.set()
-        if impostor is not None:
-            impostor.kill()
-            impostor.wait(5)
-        g.close()
+        ig.close()
+
+
+def test_a_death_seen_on_an_impostors_connection_is_every_members_verdict() -> None:
+    """The impostor closes its connection instead (EOF: what a killed process does). w1
+    takes it for w0's death, as it must for a real one - and spreads it through zmq: w0 is
+    told it was expelled (FENCED), so no worker goes on with a member another holds dead."""
+    ig = _ImpostorGroup("close")
+    g, w1 = ig.g, ig.w1
+    try:
+        ig.wait_event("closed_by_me")
+        st = poll_for(lambda: _reacted(_child_stats(w1)), 10, "w1 sees the EOF")
+        assert st["dead_peers"] == [0], st
+        # w0 learns it - in its join, or at its next call: Fenced, naming w1 (before: w0 went
+        # on calling w1 over zmq while w1's runtime held it dead)
+        err = ig.join_fenced or poll_for(
+            lambda: (e := g.call(1, ECHO, ["x"], [], timeout=2)[2]) is not None and e, 10, "w0 is told it was expelled")
+        assert isinstance(err, Fenced) and "'w1'" in str(err), err
+    finally:
+        ig.close()
 
 
 def test_a_protocol_error_on_a_peers_connection_closes_it_on_both_sides_without_a_death() -> None:

@@ -17,7 +17,10 @@ Rules:
    no unix endpoint, which turns the same-host path off for every pair involving us.
 3. Liveness: a peer is dead as soon as either transport says so (the unix one sees a killed
    process at once, by EOF); ``on_peer_dead`` is reported once per peer, and the unix path
-   fences a peer the inner transport declared dead. Silence is judged by the inner
+   fences a peer the inner transport declared dead, and the inner transport declares - and
+   spreads to every member, as its own verdicts - a death the unix path saw first (an EOF
+   from a connection admitted under a member's identity must not make this worker alone
+   hold that member dead). Silence is judged by the inner
    transport alone: zmq's echo is answered by libzmq without the GIL, so a handler that holds
    the GIL or deadlocks is not taken for a death (found 2026-11-30: the unix transport's
    Python-level pings declared such a worker dead after heartbeat_timeout), while a stopped
@@ -93,7 +96,11 @@ class AutoTransport:
         if self.local is not None:  # Rule 3: silence is judged by the inner transport's echo
             self.local.judge_silence = False
             self.local.on_closed = self._path_closed
+            self.local.on_verdict = self._spread
         self._local_ids: frozenset[int] = frozenset()
+        #: peers whose same-host connection was closed after a protocol error (Rule 6): never
+        #: routed locally again, also when that happened before the join returned
+        self._closed_paths: set[int] = set()
         self._hook: Any = None
 
     # ------------------------------------------------------------------ setup
@@ -131,7 +138,8 @@ class AutoTransport:
             self.local.close(1.0)
             self.local = None
             return
-        self._local_ids = frozenset(p.id for p in local)
+        with self._dead_lock:
+            self._local_ids = frozenset(p.id for p in local) - self._closed_paths
 
     def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Dynamic groups: peers met after the join go through the inner transport only
@@ -181,10 +189,21 @@ class AutoTransport:
             self.local.declare_dead(peer_id, cause)
         self._on_peer_dead(peer_id, cause)
 
+    def _spread(self, peer_id: int, cause: str) -> None:
+        """Rule 3: the unix transport judged ``peer_id`` dead on its own evidence (an EOF: the
+        process is gone, or a connection that only claimed to be that peer closed); the inner
+        transport declares it too and tells every member (NOTE [Membership] in
+        transport.heartbeat), so no worker holds a peer dead alone."""
+        declare = getattr(self.inner, "declare_dead", None)
+        if declare is not None:
+            declare(peer_id, cause)
+
     def _path_closed(self, peer_id: int, cause: str) -> None:
         """Rule 6: the same-host connection with ``peer_id`` was closed after a protocol
         error; the peer goes through the inner transport from now on (both sides do)."""
-        self._local_ids = self._local_ids - {peer_id}
+        with self._dead_lock:
+            self._closed_paths.add(peer_id)
+            self._local_ids = self._local_ids - {peer_id}
         log.info("worker %r: worker %r is reached through %s from now on (%s)",
                  self.name, self.inner.peer_name(peer_id), type(self.inner).__name__, cause)
 

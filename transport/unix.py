@@ -137,6 +137,10 @@ class UnixTransport(Send, Loop):
         #: on_closed(peer id, cause): a connection closed after a protocol error (NOTE
         #: [Protocol errors]); the composite transport routes that peer through its inner one
         self.on_closed: Callable[[int, str], None] | None = None
+        #: on_verdict(peer id, cause): this transport judged a peer dead on its own evidence
+        #: (EOF, a failed connection, silence; not a BYE, not another's verdict): the
+        #: composite transport spreads it through its inner one (transport/auto.py, Rule 3)
+        self.on_verdict: Callable[[int, str], None] | None = None
         ex = config.extra
         self.shm_threshold: int = int(ex.get("shm_threshold", 256 << 10))  # 0 disables shared memory
         self.shm_copy_out: bool = bool(ex.get("shm_copy_out", False))
@@ -361,7 +365,7 @@ class UnixTransport(Send, Loop):
         its pending requests fail, its segments are reclaimed (on the receiver thread)."""
         peer = self._peers.get(peer_id)
         if peer is not None and peer.state != "dead" and not self._closed.is_set():
-            self._call_soon(lambda: self._declare_dead(peer, cause))
+            self._call_soon(lambda: self._declare_dead(peer, cause, own=False))
 
     def peer_name(self, peer_id: int) -> str:
         peer = self._peers.get(peer_id)

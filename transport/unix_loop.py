@@ -369,8 +369,10 @@ class Loop:
             peer.last_rx = time.monotonic()
         return True  # data, or EOF that the read path reports with its cause
 
-    def _declare_dead(self: Any, peer: Any, cause: str) -> None:
-        """Receiver thread: fence ``peer``, fail its requests, reclaim its segments."""
+    def _declare_dead(self: Any, peer: Any, cause: str, own: bool = True) -> None:
+        """Receiver thread: fence ``peer``, fail its requests, reclaim its segments. ``own``:
+        on this transport's evidence, not another's verdict (then ``on_verdict`` spreads it,
+        unless the peer said BYE)."""
         if peer.state == "dead":
             return
         joining = peer.state == "joining"
@@ -382,6 +384,9 @@ class Loop:
         self._stats["peers_declared_dead"] += 1
         self._teardown(peer, PeerUnavailable(peer.spec.name, cause))
         self._guard(lambda: self._on_peer_dead(peer.spec.id, cause))
+        on_verdict = self.on_verdict
+        if own and not peer.bye and on_verdict is not None:
+            self._guard(lambda: on_verdict(peer.spec.id, cause))
 
     def _close_connection(self: Any, peer: Any, cause: str, tell: bool = True) -> None:
         """Receiver thread: NOTE [Protocol errors] in transport.unix. Close ``peer``'s

@@ -4,11 +4,13 @@ no secret under that identity (the empty-key HMAC), then sends one frame that br
 framing.
 
     python unix_impostor.py '{"path": <unix socket>, "id": <claimed id>, "incarnation": <its incarnation>,
-                             "target_id": <acceptor id>, "target_incarnation": <its incarnation>}'
+                             "target_id": <acceptor id>, "target_incarnation": <its incarnation>,
+                             "then": "bad_frame" or "close"}'
 
 stdout, one JSON object per line: "hello_sent" (connected, HELLO sent: the acceptor holds
 it until its group is known), "admitted", "bad_frame_sent", then "closed" with the bytes it
-read after admission once the acceptor closes the connection. Exits at the end of stdin.
+read after admission once the acceptor closes the connection. With "then": "close" it
+closes the connection itself once admitted ("closed_by_me"). Exits at the end of stdin.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def main() -> None:
         emit("refused")
         return
     emit("admitted")
+    if cfg.get("then") == "close":
+        s.close()
+        emit("closed_by_me")
+        sys.stdin.read()
+        return
     # one message whose prefix is out of bounds: a header longer than any header may be
     s.sendall(struct.pack("<IHBx", MAX_HEADER_BYTES + 1, 0, 0))
     emit("bad_frame_sent")
