@@ -15,11 +15,11 @@ import time
 from typing import Any, Callable
 
 import rrefrt_transport as transport
-from rrefrt import debug, profiling as _profiling, state
+from rrefrt import arguments, debug, profiling as _profiling, state
 from rrefrt.payload import serialization
 from rrefrt import hooks as _autograd
 from rrefrt.payload.devices import DeviceInfo, DevicePlan
-from rrefrt.errors import ArgumentError, AuthenticationError, RpcError, ShutdownError
+from rrefrt.errors import ArgumentError, AuthenticationError, RpcError, ShutdownError, WorkerUnavailableError
 from rrefrt.futures import Future
 from rrefrt.options import RpcBackendOptions, WorkerInfo
 from rrefrt.group.membership import MAX_RANKS, Membership, shutdown_dynamic
@@ -77,14 +77,24 @@ def init_rpc(
     *dynamic* group through the store at ``init_method``: it may start before or after the
     others, members learn of it, and its ``shutdown()`` leaves the group without a barrier
     (see docs/dynamic-groups.md). A name or rank already taken raises RendezvousError
-    ("... is not unique")."""
+    ("... is not unique"). ``backend`` is None or ``BackendType.TENSORPIPE``; ``rank`` an int
+    (-1: RANK from the environment), ``world_size`` an int >= 1 or None: anything else raises
+    ArgumentError at once, as do bad options (``RpcBackendOptions.validate``)."""
     if not isinstance(name, str) or not name or len(name) > 128 or any(c.isspace() for c in name):
         raise ArgumentError(f"worker name must be a non-empty string without spaces, got {name!r}")
+    arguments.backend_type(backend)  # accepted for compatibility: rrefrt has one backend
     options = rpc_backend_options or RpcBackendOptions()
     if not isinstance(options, RpcBackendOptions):
         raise ArgumentError(  # torch's phrase
             f"Argument rpc_backend_options must be an instance of RpcBackendOptions (rrefrt.RpcBackendOptions), "
             f"got {type(options).__name__}")
+    options.validate()  # again: a field may have been set after construction
+    # -1 (or None): RANK from the environment; a rank >= world_size is the rendezvous's to
+    # report, to the whole group (rrefrt/group/rendezvous.py)
+    rank = -1 if rank is None else arguments.integer(
+        "rank", rank, minimum=-1, what="an int >= 0 (or -1 to read RANK from the environment)")
+    if world_size is not None:
+        world_size = arguments.integer("world_size", world_size, minimum=1, what="an int >= 1 (or None)")
     with _init_lock:
         if state.current_or_none() is not None:
             raise RpcError("RPC is already initialized on this process; call rrefrt.shutdown() first")
@@ -192,8 +202,26 @@ def warn_unauthenticated(bind_address: str) -> bool:
     return True
 
 
+def _check_call(to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments every call kind takes, checked before anything is sent (rrefrt/arguments.py):
+    the positional and keyword arguments in canonical form."""
+    if to is None:  # get_worker_info(None) is this worker; a call needs a destination
+        raise WorkerUnavailableError(
+            "could not find destination: 'to' is None; pass a worker name, id or WorkerInfo "
+            "(rrefrt.get_worker_info() names this worker)"
+        )
+    if not callable(func):
+        raise ArgumentError(f"func must be callable, got {type(func).__name__} {func!r:.80}")
+    arguments.call_timeout(timeout)
+    return arguments.call_args(args), arguments.call_kwargs(kwargs)
+
+
 def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Any:
-    """Call ``func(*args, **kwargs)`` on worker ``to`` and return its result."""
+    """Call ``func(*args, **kwargs)`` on worker ``to`` and return its result. ``args`` is a
+    tuple or list (not a string), ``kwargs`` a dict, ``timeout`` finite seconds (-1: the
+    default, 0: none): anything else raises ArgumentError, and ``to=None``
+    WorkerUnavailableError, before anything is sent."""
+    args, kwargs = _check_call(to, func, args, kwargs, timeout)
     if _profiling.active():  # inside torch's legacy profiler: record the call (NOTE [RPC profiling])
         return _profiling.profiled_call("sync", rpc_sync, to, func, args, kwargs, timeout)
     if _autograd.active():  # inside a distributed autograd context: record the call
@@ -203,6 +231,7 @@ def rpc_sync(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = 
 
 def rpc_async(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> Future[Any]:
     """Like rpc_sync, returning a Future at once."""
+    args, kwargs = _check_call(to, func, args, kwargs, timeout)
     if _profiling.active():  # inside torch's legacy profiler: record the call (NOTE [RPC profiling])
         return _profiling.profiled_call("async", rpc_async, to, func, args, kwargs, timeout)
     if _autograd.active():  # inside a distributed autograd context: record the call
@@ -212,6 +241,7 @@ def rpc_async(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any =
 
 def remote(to: Any, func: Callable[..., Any], args: Any = None, kwargs: Any = None, timeout: float = -1.0) -> RRef[Any]:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``."""
+    args, kwargs = _check_call(to, func, args, kwargs, timeout)
     if _profiling.active():  # inside torch's legacy profiler: record the call (NOTE [RPC profiling])
         return _profiling.profiled_call("remote", remote, to, func, args, kwargs, timeout)
     if _autograd.active():  # inside a distributed autograd context: record the call
@@ -264,6 +294,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     that never arrived, RRefLeakError for leaks in strict mode; the runtime is closed
     either way. In a dynamic group there is no barrier: the worker finishes its calls,
     deletes its RRef users and leaves; calls to it then fail with WorkerUnavailableError."""
+    graceful = arguments.flag("graceful", graceful, constructor=False)
+    timeout = arguments.call_timeout(timeout, meaning="pass 0 for the options' shutdown_timeout") or 0
     rt = state.current_or_none()
     if rt is None:
         if state.inherited():

@@ -57,6 +57,18 @@ an error leaves through drops its reference to the future first (``self = None``
 raising it (the callback pool calls it for the torch side; a raise there would add the
 pool thread's frames, which hold the future, to the error). A user's own frame holding
 the future is the same cycle as with ``concurrent.futures`` (see docs/futures.md).
+NOTE [Callback chains]: completing a future runs its callbacks on the completing thread
+(or its callback pool), and a ``then`` callback completes the derived future, which runs
+its own callbacks: a chain of ``then`` on a pending future would nest one completion per
+link, and a few hundred links would pass Python's recursion limit (the RecursionError
+would be logged by the stdlib's callback loop and the rest of the chain never complete).
+So ``_run_callbacks`` counts, per thread, how deeply completions nest: up to
+``_INLINE_DEPTH`` they run inline, as in torch (a callback that completes another future
+sees that future's callbacks done when ``set_result`` returns); deeper, the future goes on
+a per-thread queue that the outermost completion drains once its own callbacks return,
+each from a fresh depth. Any chain completes, each callback once, a linear chain in
+order; only a completion nested that deep runs its callbacks after the callback that
+completed it returns, not inside it.
 See docs/futures.md.
 """
 
@@ -68,6 +80,7 @@ import concurrent.futures._base as _cf
 import sys
 import threading
 import traceback
+from collections import deque
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
 from rrefrt.payload import torchimport
@@ -375,6 +388,10 @@ class Future(concurrent.futures.Future, Generic[T]):
         )
 
     def _invoke_callbacks(self) -> None:
+        _run_callbacks(self)  # NOTE [Callback chains]
+
+    def _call_callbacks(self) -> None:
+        """Run this future's callbacks on this thread, now (``_run_callbacks`` decides when)."""
         super()._invoke_callbacks()  # type: ignore[misc]
         # once run, callbacks are dropped (later ones run inline): a callback closing over a
         # derived future must not keep it alive through this one (NOTE [torch interop]: a
@@ -409,6 +426,48 @@ class Future(concurrent.futures.Future, Generic[T]):
                 except RuntimeError:
                     pass
             self._invoke_callbacks()
+
+
+#: NOTE [Callback chains]: how many completions may nest on one thread before the next is
+#: deferred to the outermost one (about six Python frames each)
+_INLINE_DEPTH = 16
+
+
+class _ChainState(threading.local):
+    """Per thread: how deep completions nest, and the futures whose callbacks wait for the
+    outermost completion to run them (NOTE [Callback chains])."""
+
+    def __init__(self) -> None:
+        self.depth = 0  #: completions running their callbacks on this thread, nested
+        self.deferred: deque[Future[Any]] = deque()  #: futures past the depth, oldest first
+
+
+_chain = _ChainState()
+
+
+def _run_callbacks(fut: Future[Any]) -> None:
+    """Run the callbacks of ``fut`` (just completed) on this thread: inline, unless
+    completions already nest ``_INLINE_DEPTH`` deep here; then the outermost runs them once
+    the current ones return (NOTE [Callback chains])."""
+    state = _chain
+    depth = state.depth
+    if depth >= _INLINE_DEPTH:
+        state.deferred.append(fut)
+        return
+    state.depth = depth + 1
+    try:
+        fut._call_callbacks()
+    finally:
+        state.depth = depth
+    if depth == 0:
+        deferred = state.deferred
+        while deferred:
+            nxt = deferred.popleft()
+            state.depth = 1
+            try:
+                nxt._call_callbacks()
+            finally:
+                state.depth = 0
 
 
 def _invoke_all_callbacks(futures: list[Future[Any]]) -> None:

@@ -1,14 +1,16 @@
 """Options and worker identity: ``RpcBackendOptions``, ``WorkerInfo``, ``BackendType``.
 
-Leaf module: imports nothing from rrefrt but errors.
+Leaf module: imports nothing from rrefrt but errors and arguments.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from rrefrt.arguments import _CONSTRUCTOR, flag, integer, seconds
 from rrefrt.errors import ArgumentError
 
 __all__ = ["RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo", "BackendType"]
@@ -41,7 +43,11 @@ def _device_str(d: Any) -> str:
 
 
 class RpcBackendOptions:
-    """Options of ``init_rpc``. ``timeout``-like fields are seconds.
+    """Options of ``init_rpc``. ``timeout``-like fields are finite seconds: ``rpc_timeout``
+    ``>= 0`` (0: no timeout), the others ``> 0``; ``heartbeat_timeout`` at least twice
+    ``heartbeat_interval``; ``num_worker_threads`` and ``max_message_size`` (bytes) ints
+    ``> 0``; ``strict_rref_leaks`` a bool. Anything else raises ``ArgumentError`` naming the
+    option, here and again in ``init_rpc`` (a field may be set after construction).
 
     ``secret`` (str or bytes) keys the CURVE authentication of every peer (docs/security.md);
     None falls back to the environment variable RREFRT_SECRET, and without either the
@@ -73,41 +79,58 @@ class RpcBackendOptions:
             init_method.startswith("env://") or init_method.startswith("tcp://")
         ):
             raise ArgumentError(f"init_method must be 'env://' or 'tcp://host:port', got {init_method!r}")
-        for label, value in (
-            ("rpc_timeout", rpc_timeout),
-            ("init_timeout", init_timeout),
-            ("shutdown_timeout", shutdown_timeout),
-        ):
-            if not isinstance(value, (int, float)):  # torch's phrase (a timedelta, say)
-                raise ArgumentError(f"incompatible constructor arguments: {label} must be a number of seconds, got {value!r}")
-            if value < 0:
-                raise ArgumentError(f"{label} must be a number of seconds >= 0, got {value!r}")
-        if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
-            raise ArgumentError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
-        if not heartbeat_interval > 0 or not heartbeat_timeout > 0:
-            raise ArgumentError("heartbeat_interval and heartbeat_timeout must be > 0")
-        if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
-            raise ArgumentError("secret must be a non-empty str or bytes (or None to use RREFRT_SECRET)")
-        if unpickle_allowlist is not None and (
-            isinstance(unpickle_allowlist, (str, bytes))
-            or not all(isinstance(n, str) and "." in n.strip(".") for n in unpickle_allowlist)
-        ):
-            raise ArgumentError(f"unpickle_allowlist must be a list of 'module.qualname' strings, got {unpickle_allowlist!r}")
+        if device_maps is not None and not isinstance(device_maps, dict):
+            raise ArgumentError(f"{_CONSTRUCTOR}device_maps must be a dict {{worker name: {{device: device}}}}, "
+                                f"got {type(device_maps).__name__}")
+        if devices is not None and (isinstance(devices, (str, bytes)) or not isinstance(devices, (list, tuple))):
+            raise ArgumentError(f"{_CONSTRUCTOR}devices must be a list of devices, got {devices!r}")
         self.init_method = init_method
-        self.rpc_timeout = float(rpc_timeout)
+        self.rpc_timeout = rpc_timeout
         self.num_worker_threads = num_worker_threads
         self.device_maps: dict[str, dict[str, str]] = {}
         for to, dmap in (device_maps or {}).items():
             self.set_device_map(to, dmap)
         self.devices = [_device_str(d) for d in (devices or [])]
-        self.init_timeout = float(init_timeout)
-        self.shutdown_timeout = float(shutdown_timeout)
-        self.heartbeat_interval = float(heartbeat_interval)
-        self.heartbeat_timeout = float(heartbeat_timeout)
-        self.strict_rref_leaks = bool(strict_rref_leaks)
-        self.max_message_size = int(max_message_size)
+        self.init_timeout = init_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.strict_rref_leaks = strict_rref_leaks
+        self.max_message_size = max_message_size
         self.secret = secret  #: never shown by repr
-        self.unpickle_allowlist = None if unpickle_allowlist is None else list(unpickle_allowlist)
+        self.unpickle_allowlist = unpickle_allowlist
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every option and put it in its canonical form (float seconds, int counts),
+        or raise ArgumentError naming it (rrefrt/arguments.py). The constructor calls it, and
+        ``init_rpc`` again: a field set afterwards (``opts.rpc_timeout = ...``) is checked
+        before anything starts, never found bad later."""
+        self.rpc_timeout = seconds("rpc_timeout", self.rpc_timeout, constructor=True)  # 0: no timeout
+        self.init_timeout = seconds("init_timeout", self.init_timeout, positive=True, constructor=True)
+        self.shutdown_timeout = seconds("shutdown_timeout", self.shutdown_timeout, positive=True, constructor=True)
+        self.num_worker_threads = integer("num_worker_threads", self.num_worker_threads, minimum=1, constructor=True)
+        interval = seconds("heartbeat_interval", self.heartbeat_interval, positive=True, constructor=True)
+        timeout = seconds("heartbeat_timeout", self.heartbeat_timeout, positive=True, constructor=True)
+        if timeout < 2 * interval:
+            raise ArgumentError(
+                f"heartbeat_timeout ({timeout} s) must be at least twice heartbeat_interval ({interval} s): "
+                "a peer is declared dead after heartbeat_timeout without an answer, so a shorter one "
+                "declares live peers dead when one heartbeat is late"
+            )
+        self.heartbeat_interval, self.heartbeat_timeout = interval, timeout
+        self.strict_rref_leaks = flag("strict_rref_leaks", self.strict_rref_leaks)
+        self.max_message_size = integer("max_message_size", self.max_message_size, minimum=1, constructor=True,
+                                        what="a number of bytes > 0")
+        secret = self.secret
+        if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
+            raise ArgumentError("secret must be a non-empty str or bytes (or None to use RREFRT_SECRET)")
+        allow = self.unpickle_allowlist
+        if allow is not None:
+            names = None if isinstance(allow, (str, bytes)) or not isinstance(allow, Iterable) else list(allow)
+            if names is None or not all(isinstance(n, str) and "." in n.strip(".") for n in names):
+                raise ArgumentError(f"unpickle_allowlist must be a list of 'module.qualname' strings, got {allow!r}")
+            self.unpickle_allowlist = names
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         """Tensors on caller device ``k`` arrive on callee ``to``'s device ``device_map[k]``;

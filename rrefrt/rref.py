@@ -27,7 +27,7 @@ import time
 import weakref
 from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
 
-from rrefrt import state
+from rrefrt import arguments, state
 from rrefrt.payload import torchimport
 from rrefrt import hooks as _autograd
 from rrefrt.errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationError, ShutdownError, fresh
@@ -207,8 +207,7 @@ class RRef(Generic[T]):
         """A copy of the value (on the owner: the value object itself)."""
         self._check()
         if self._owner_rec is not None:
-            t = self._rt.options.rpc_timeout if timeout is None or timeout < 0 else timeout
-            return self._rt.owner_value(self._owner_rec, t)
+            return self._rt.owner_value(self._owner_rec, self._rt.timeout(timeout))
         if _autograd.active():  # inside a distributed autograd context: record the transfer
             return _autograd.traced_call("rpc_sync", self._rt.rpc_sync, self._owner_id(), _autograd.fetch_value, (self,), None, timeout)
         return self._rt.fetch(self, timeout, waited=True).result()
@@ -217,8 +216,8 @@ class RRef(Generic[T]):
         """A Future of the value; ``await rref.to_here_async()`` in asyncio."""
         self._check()
         if self._owner_rec is not None:
+            t = self._rt.timeout(timeout)
             fut: Future[T] = Future()
-            t = self._rt.options.rpc_timeout if timeout < 0 else timeout
             rt, rec = self._rt, self._owner_rec
             rt.callbacks.submit(_complete_with, fut, lambda: rt.owner_value(rec, t))
             return fut
@@ -298,18 +297,21 @@ class RRef(Generic[T]):
         if rec.state == READY:
             fut.set_result(convert(rec.value))
             return fut
-        t = rt.options.rpc_timeout if timeout is None or timeout < 0 else timeout
+        t = rt.timeout(timeout)
         rt.callbacks.submit(_complete_with, fut, lambda: convert(rt.owner_value(rec, t)))
         return fut
 
     # ------------------------------------------------------------------ proxies
     def rpc_sync(self, timeout: float = -1.0) -> Any:
+        arguments.call_timeout(timeout)  # a bad timeout fails here, not at the method call
         return _Proxy(self, "rpc_sync", timeout)
 
     def rpc_async(self, timeout: float = -1.0) -> Any:
+        arguments.call_timeout(timeout)
         return _Proxy(self, "rpc_async", timeout)
 
     def remote(self, timeout: float = -1.0) -> Any:
+        arguments.call_timeout(timeout)
         return _Proxy(self, "remote", timeout)
 
     def __del__(self) -> None:

@@ -15,7 +15,10 @@ Rules:
    no unix endpoint, which turns the same-host path off for every pair involving us.
 3. Liveness: a peer is dead as soon as either transport says so (the unix one sees a killed
    process at once, by EOF); ``on_peer_dead`` is reported once per peer, and the unix path
-   fences a peer the inner transport declared dead. Silence is judged by the inner
+   fences a peer the inner transport declared dead, and the inner transport declares - and
+   spreads to every member, as its own verdicts - a death the unix path saw first (an EOF
+   from a connection admitted under a member's identity must not make this worker alone
+   hold that member dead). Silence is judged by the inner
    transport alone: zmq's echo is answered by libzmq without the GIL, so a handler that holds
    the GIL or deadlocks is not taken for a death (found 2026-11-30: the unix transport's
    Python-level pings declared such a worker dead after heartbeat_timeout), while a stopped
@@ -31,6 +34,10 @@ Rules:
    reachable from the peer, e.g. another mount namespace), the whole group falls back to the
    inner transport for this worker after logging why; an authentication failure fails the
    join (a same-host stranger is refused exactly as a CURVE one would be).
+6. A same-host connection closed after a protocol error (NOTE [Protocol errors] in
+   rrefrt_transport.unix.transport) is not a death: that peer goes through the inner transport from then on,
+   and only the inner transport's liveness (which spreads its verdicts to every member)
+   judges it. So no frame on one connection can make one member alone hold a peer dead.
 """
 
 from __future__ import annotations
@@ -86,7 +93,12 @@ class AutoTransport:
         )
         if self.local is not None:  # Rule 3: silence is judged by the inner transport's echo
             self.local.judge_silence = False
+            self.local.on_closed = self._path_closed
+            self.local.on_verdict = self._spread
         self._local_ids: frozenset[int] = frozenset()
+        #: peers whose same-host connection was closed after a protocol error (Rule 6): never
+        #: routed locally again, also when that happened before the join returned
+        self._closed_paths: set[int] = set()
         self._hook: Any = None
 
     # ------------------------------------------------------------------ setup
@@ -124,7 +136,8 @@ class AutoTransport:
             self.local.close(1.0)
             self.local = None
             return
-        self._local_ids = frozenset(p.id for p in local)
+        with self._dead_lock:
+            self._local_ids = frozenset(p.id for p in local) - self._closed_paths
 
     def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Dynamic groups: peers met after the join go through the inner transport only
@@ -173,6 +186,24 @@ class AutoTransport:
         if self.local is not None:  # whoever saw it first, both paths fence it
             self.local.declare_dead(peer_id, cause)
         self._on_peer_dead(peer_id, cause)
+
+    def _spread(self, peer_id: int, cause: str) -> None:
+        """Rule 3: the unix transport judged ``peer_id`` dead on its own evidence (an EOF: the
+        process is gone, or a connection that only claimed to be that peer closed); the inner
+        transport declares it too and tells every member (NOTE [Membership] in
+        rrefrt_transport.zmq.heartbeat), so no worker holds a peer dead alone."""
+        declare = getattr(self.inner, "declare_dead", None)
+        if declare is not None:
+            declare(peer_id, cause)
+
+    def _path_closed(self, peer_id: int, cause: str) -> None:
+        """Rule 6: the same-host connection with ``peer_id`` was closed after a protocol
+        error; the peer goes through the inner transport from now on (both sides do)."""
+        with self._dead_lock:
+            self._closed_paths.add(peer_id)
+            self._local_ids = self._local_ids - {peer_id}
+        log.info("worker %r: worker %r is reached through %s from now on (%s)",
+                 self.name, self.inner.peer_name(peer_id), type(self.inner).__name__, cause)
 
     def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
         """NOTE [Inline calls] in transport/unix/lead.py: only for what the unix transport's

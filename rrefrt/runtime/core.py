@@ -24,7 +24,7 @@ import collections
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
-from rrefrt import state
+from rrefrt import arguments, state
 from rrefrt.errors import ArgumentError, ShutdownError, WorkerUnavailableError
 from rrefrt.options import RpcBackendOptions, WorkerInfo
 from rrefrt.pool import WorkerPool
@@ -140,9 +140,9 @@ class WorkerCore:
         return w.name if w is not None else f"<worker {worker_id}>"
 
     def timeout(self, timeout: float | None) -> float:
-        if timeout is None or timeout < 0:
-            return self.options.rpc_timeout
-        return float(timeout)
+        """A call's timeout in seconds (0: none); ArgumentError for NaN, inf or a non-number."""
+        t = arguments.call_timeout(timeout)
+        return self.options.rpc_timeout if t is None else t
 
     def is_local(self, peer: int) -> bool:
         """Whether ``peer`` runs on this host (the transport decides)."""

@@ -26,7 +26,10 @@ log = logging.getLogger("rrefrt")
 #: the runtime kept its own: the transport's and the runtime's counts are summed)
 AGENT_KEYS = ("messages_sent", "messages_received", "bytes_sent", "bytes_received", "bad_frames_dropped",
               "unknown_peer_dropped", "fenced_dropped", "late_responses_dropped", "requests_timed_out",
-              "peers_declared_dead", "control_retries", "duplicate_calls_dropped")
+              "peers_declared_dead", "control_retries", "duplicate_calls_dropped",
+              # NOTE [Protocol errors] in rrefrt_transport.unix.transport: same-host connections
+              # closed on a protocol error, read here / by the peer (no death: the inner transport judges)
+              "protocol_errors", "connections_closed_by_peer")
 
 
 class Lifecycle:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Sequence
 
-from rrefrt.errors import RpcError
+from rrefrt.errors import ArgumentError, RpcError
 from rrefrt.payload import serialization as ser
 from rrefrt.protocol.context import OwnerRecord
 from rrefrt.protocol.messages import ForkData
@@ -38,7 +38,7 @@ class Payloads:
     # ------------------------------------------------------------------ outgoing
     def dumps_call(self, func: Any, args: Any, kwargs: Any, dest: int) -> tuple[list[Any], list[Any]]:
         if not callable(func):
-            raise TypeError(f"func must be callable, got {type(func).__name__}")
+            raise ArgumentError(f"func must be callable, got {type(func).__name__}")
         args = () if args is None else tuple(args)
         kwargs = {} if kwargs is None else dict(kwargs)
         return self.dumps((func, args, kwargs), dest)

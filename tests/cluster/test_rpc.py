@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -125,6 +126,42 @@ def test_unpicklable_rejected_before_sending(cluster):
     with pytest.raises(rrefrt.SerializationError):
         rrefrt.rpc_sync("w1", fns.identity, args=(lambda: 3,))
     assert rrefrt.get_debug_info()["agent.messages_sent"] == sent
+
+
+#: (to, func, args, kwargs, timeout) with one bad part, the error and a phrase naming it
+BAD_CALLS = [
+    ((None, fns.add, (1, 2), None, -1.0), rrefrt.WorkerUnavailableError, "'to' is None"),  # ran on the caller
+    (("w1", 5, None, None, -1.0), rrefrt.ArgumentError, "func must be callable"),
+    (("w1", fns.add, (1, 2), None, math.nan), rrefrt.ArgumentError, "timeout must be a finite number"),
+    (("w1", fns.add, (1, 2), None, math.inf), rrefrt.ArgumentError, "timeout must be a finite number"),
+    (("w1", fns.add, (1, 2), None, -math.inf), rrefrt.ArgumentError, "timeout must be a finite number"),
+    (("w1", fns.add, (1, 2), None, "5"), rrefrt.ArgumentError, "timeout must be a number of seconds"),
+    (("w1", fns.add, (1, 2), None, True), rrefrt.ArgumentError, "timeout must be a number of seconds"),
+    (("w1", fns.identity, "ab", None, -1.0), rrefrt.ArgumentError, "args must be a tuple or list"),  # ran f('a', 'b')
+    (("w1", fns.identity, 5, None, -1.0), rrefrt.ArgumentError, "args must be a tuple or list"),
+    (("w1", fns.identity, {"x": 1}, None, -1.0), rrefrt.ArgumentError, "args must be a tuple or list"),
+    (("w1", dict, None, [("a", 1)], -1.0), rrefrt.ArgumentError, "kwargs must be a dict"),
+    (("w1", dict, None, {1: 2}, -1.0), rrefrt.ArgumentError, "kwargs must have str keys"),
+]
+
+
+@pytest.mark.parametrize("call", [rrefrt.rpc_sync, rrefrt.rpc_async, rrefrt.remote], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("bad, error, phrase", BAD_CALLS, ids=lambda x: repr(x)[:40])
+def test_a_bad_call_argument_is_refused_before_anything_is_sent(cluster, call, bad, error, phrase):
+    sent = rrefrt.get_debug_info()["agent.messages_sent"]
+    with pytest.raises(error, match=phrase):
+        call(*bad)
+    assert rrefrt.get_debug_info()["agent.messages_sent"] == sent
+
+
+def test_a_bad_timeout_of_an_rref_use_is_refused(cluster):
+    remote_ref = rrefrt.remote("w1", fns.Counter, args=(1,))
+    local_ref = rrefrt.RRef(fns.Counter(1))
+    for rref in (remote_ref, local_ref):
+        for use in (rref.to_here, rref.to_here_async, rref.rpc_sync, rref.rpc_async, rref.remote):
+            with pytest.raises(rrefrt.ArgumentError, match="timeout must be a finite number"):
+                use(math.nan)
+    assert remote_ref.rpc_sync(timeout=5).increment() == 2 and local_ref.to_here(0).value == 1
 
 
 @pytest.mark.parametrize("timeout", [0.3, 1.0])

@@ -40,9 +40,6 @@ _group(
     'TensorPipeAgentRpcTest.test_op_with_invalid_args',
 )
 _group(
-    'one-backend',
-    "init_rpc(backend='TENSORPIPE') (a string) must raise TypeError; rrefrt accepts and ignores backend (API.md). The second half (a dict as rpc_backend_options: TypeError with torch's text) passes",
-    'RpcTest.test_wrong_types',
 )
 _group(
     'torchscript',

@@ -5,10 +5,13 @@ This process is worker 0; tests/transport_helpers/unix_peer.py children are the 
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import random
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -17,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from tests.support import poll_for
+from tests.support import ROOT, env_for, poll_for
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
-from tests.support.unix_support import group
-from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig
-from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, MessageTooLarge, PeerUnavailable, RequestTimeout
+from tests.support.unix_support import Child, Group, group
+from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig, create
+from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, Fenced, MessageTooLarge, PeerUnavailable, RequestTimeout
 from rrefrt_transport.unix.transport import UnixTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -532,3 +535,185 @@ def test_the_receivers_smaller_limit_is_checked_at_the_sender_in_both_directions
         assert "limit of worker 'w0' of 1048576 bytes" in meta["message"], meta
         meta, frames, err = g.call(1, BIG, {"n": 1 << 20}, [])
         assert err is None and len(frames[0]) == 1 << 20
+
+
+# ---------------------------------------------------------------- protocol errors (NOTE [Protocol errors])
+IMPOSTOR = ROOT / "tests" / "transport_helpers" / "unix_impostor.py"
+
+
+def _answer_echoes(g: Any, stop: threading.Event) -> threading.Thread:
+    """Worker 0 (this process) answers ECHO requests, so that its peers can call it."""
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                src, kind, msg_id, meta, frames = g.messages.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if kind == ECHO:
+                g.t.respond(src, msg_id, meta, list(frames))
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def _child_stats(child: Any) -> dict:
+    child.tell({"cmd": "stats"})
+    return child.expect("stats", 10)
+
+
+def _child_calls(child: Any, dest: int) -> dict:
+    child.tell({"cmd": "call", "dest": dest})
+    return child.expect("called", 15)
+
+
+def _reacted(stats: dict) -> dict | None:
+    """The child's stats once it closed a connection on a protocol error or declared a death."""
+    return stats if stats["stats"].get("protocol_errors") or stats["stats"].get("peers_declared_dead") else None
+
+
+class _ImpostorGroup:
+    """w0 (this process, composite transport, no secret) and a child w1, joined by hand so that
+    an impostor process claiming w0's identity passes w1's same-host admission first (the
+    race it can win): w1 then holds the impostor's connection as w0's, and w0 falls back to
+    zmq for w1 (w1 refused w0's own connection)."""
+
+    def __init__(self, then: str) -> None:
+        self.g = Group()
+        self.stop = threading.Event()
+        self.impostor: subprocess.Popen | None = None
+        g = self.g
+        inc0 = random.getrandbits(62)
+        cfg = TransportConfig(worker_id=0, name="w0", incarnation=inc0, kind="auto", extra={"auto_inner": "zmq"})
+        g.t = create(cfg, lambda *a: g.messages.put(a), lambda p, c: g.dead.put((p, c)))
+        addr = g.t.listen()
+        g.t.start()
+        self.w1 = w1 = Child({"id": 1, "name": "w1", "secret": None, "kind": "auto", "auto_inner": "zmq"})
+        g.children.append(w1)
+        table = [{"id": 0, "name": "w0", "incarnation": inc0, "address": addr.to_wire()},
+                 {"id": 1, "name": "w1", "incarnation": w1.hello["incarnation"], "address": w1.hello["address"]}]
+        w1.tell(table)
+        self.impostor = subprocess.Popen(
+            [sys.executable, str(IMPOSTOR), json.dumps({
+                "path": w1.hello["address"]["endpoints"]["unix"], "id": 0, "incarnation": inc0,
+                "target_id": 1, "target_incarnation": w1.hello["incarnation"], "then": then})],
+            env=env_for(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        assert self.event() == "hello_sent"
+        # w0's same-host join starts once the impostor is in (the race it won)
+        local = g.t.local
+        orig = local.connect_peers
+
+        def after_the_impostor(peers: Any, timeout: float) -> None:
+            assert self.event() == "admitted"
+            orig(peers, timeout)
+
+        local.connect_peers = after_the_impostor
+        specs = [PeerSpec(p["id"], p["name"], p["incarnation"], PeerAddress.from_wire(p["address"])) for p in table]
+        #: w0's join failed with Fenced: w1 declared it dead (and told it) before it completed
+        self.join_fenced: Fenced | None = None
+        try:
+            g.t.connect_peers(specs, 10.0)  # w1 refuses w0's own connection: w0 goes through zmq
+        except Fenced as e:
+            self.join_fenced = e
+            return
+        assert w1.expect("ready", 20) == {"event": "ready"}
+        assert g.t.local is None, "w0 should have fallen back to its inner transport"
+        _answer_echoes(g, self.stop)
+
+    def event(self) -> str:
+        assert self.impostor is not None and self.impostor.stdout is not None
+        return json.loads(self.impostor.stdout.readline())["event"]
+
+    def wait_event(self, name: str) -> None:
+        """Skip the impostor's events up to ``name`` (bounded by the test's timeout)."""
+        while (ev := self.event()) != name:
+            assert ev, f"the impostor ended before {name!r}"
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.impostor is not None:
+            self.impostor.kill()
+            self.impostor.wait(5)
+        self.g.close()
+
+
+def test_an_impostors_bad_frame_closes_its_connection_and_splits_no_membership() -> None:
+    """Issue 21 item 7: without a secret, a same-uid process that read the store passes the
+    same-host admission of w1 as w0 (it got there first), then sends one frame that breaks
+    the framing. w1 used to declare w0 dead on that frame - w1 alone: a split membership, w0
+    went on with the others. Now w1 closes that connection (counted, logged), judges nobody,
+    and reaches the real w0 over the inner transport, both ways."""
+    ig = _ImpostorGroup("bad_frame")
+    g, w1 = ig.g, ig.w1
+    try:
+        assert ig.join_fenced is None, f"w1 declared w0 dead: {ig.join_fenced}"
+        assert ig.event() == "bad_frame_sent"
+        assert ig.event() == "closed"  # w1 closed that connection
+        st = poll_for(lambda: _reacted(_child_stats(w1)), 10, "w1 reacts to the bad frame")
+        assert st["dead_peers"] == [] and not st["stats"].get("peers_declared_dead"), \
+            f"w1 alone declared w0 dead: a split membership ({st})"
+        assert st["stats"]["protocol_errors"] == 1, st
+        # w1 reaches the real w0 (over zmq now), and w0 reaches w1: one membership
+        called = _child_calls(w1, 0)
+        assert called["error"] is None and called["meta"] == ["echo"], called
+        meta, _, err = g.call(1, ECHO, ["from w0"], [])
+        assert err is None and meta == ["from w0"]
+        assert g.dead.empty() and g.t.is_alive(1) and g.t.dead_peers() == set()
+        assert _child_stats(w1)["dead_peers"] == []
+    finally:
+        ig.close()
+
+
+def test_a_death_seen_on_an_impostors_connection_is_every_members_verdict() -> None:
+    """The impostor closes its connection instead (EOF: what a killed process does). w1
+    takes it for w0's death, as it must for a real one - and spreads it through zmq: w0 is
+    told it was expelled (FENCED), so no worker goes on with a member another holds dead."""
+    ig = _ImpostorGroup("close")
+    g, w1 = ig.g, ig.w1
+    try:
+        ig.wait_event("closed_by_me")
+        st = poll_for(lambda: _reacted(_child_stats(w1)), 10, "w1 sees the EOF")
+        assert st["dead_peers"] == [0], st
+        # w0 learns it - in its join, or at its next call: Fenced, naming w1 (before: w0 went
+        # on calling w1 over zmq while w1's runtime held it dead)
+        err = ig.join_fenced or poll_for(
+            lambda: (e := g.call(1, ECHO, ["x"], [], timeout=2)[2]) is not None and e, 10, "w0 is told it was expelled")
+        assert isinstance(err, Fenced) and "'w1'" in str(err), err
+    finally:
+        ig.close()
+
+
+def test_a_protocol_error_on_a_peers_connection_closes_it_on_both_sides_without_a_death() -> None:
+    """A real peer whose bytes break the framing (a bug): the reader closes the connection
+    and says CLOSE first, so the other end does not take the EOF for its death; both go on
+    over the inner transport and nobody is declared dead (NOTE [Protocol errors])."""
+    stop = threading.Event()
+    with group(1, kind="auto", auto_inner="zmq") as g:
+        _answer_echoes(g, stop)
+        w1 = g.children[0]
+        assert g.call(1, ECHO, ["before"], [])[2] is None
+        peer = g.t.local._peers[1]
+        with peer.send_lock:  # nothing else is written on it meanwhile
+            peer.sock.sendall(struct.pack("<IHBx", (1 << 20) + 1, 0, 0))  # a prefix out of bounds
+        st = poll_for(lambda: _reacted(_child_stats(w1)), 10, "w1 reacts to the bad frame")
+        poll_for(lambda: g.t.stats["connections_closed_by_peer"] or not g.dead.empty(), 10, "w0 hears of it")
+        assert g.dead.empty(), f"w0 declared w1 dead: {g.dead.get()}"
+        assert st["dead_peers"] == [] and not st["stats"].get("peers_declared_dead"), f"w1 declared w0 dead: {st}"
+        assert st["stats"].get("protocol_errors") == 1, st
+        assert g.t.stats["connections_closed_by_peer"] == 1
+        assert "protocol error" in g.t.local._peers[1].closed
+        meta, _, err = g.call(1, ECHO, ["after"], [])
+        assert err is None and meta == ["after"]
+        called = _child_calls(w1, 0)
+        assert called["error"] is None and called["meta"] == ["echo"], called
+        assert g.dead.empty() and g.t.is_alive(1) and g.t.dead_peers() == set()
+        assert _child_stats(w1)["dead_peers"] == []
+        # a real death is still declared: over the inner transport now
+        t0 = time.monotonic()
+        w1.kill()
+        peer_id, cause = g.dead.get(timeout=10)
+        print(f"\n[protocol errors] w1 killed after its connection was closed: declared dead after "
+              f"{time.monotonic() - t0:.2f}s ({cause})")
+        assert peer_id == 1
+    stop.set()

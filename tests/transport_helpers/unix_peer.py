@@ -4,7 +4,8 @@
 
 stdout, one JSON object per line: {"event": "hello", "address", "incarnation", "pid"} once
 listening; {"event": "ready"} or {"event": "error", "error", "type"} after joining;
-{"event": "peer_dead", "peer", "cause"}; {"event": "stats", ...} in answer to {"cmd": "stats"}.
+{"event": "peer_dead", "peer", "cause"}; {"event": "stats", ...} in answer to {"cmd": "stats"};
+{"event": "called", "meta", "error"} in answer to {"cmd": "call", "dest": id} (an ECHO request).
 stdin: first line the peer table (list of {"id", "name", "incarnation", "address"}), then
 commands. End of stdin closes the transport and exits.
 
@@ -108,7 +109,11 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd.get("cmd") == "stats":
             emit({"event": "stats", "stats": dict(t.stats), "memfds": shm.count_memfds(), "held": len(held),
-                  "segments": t.shm_segments() if isinstance(t, UnixTransport) else None})
+                  "segments": t.shm_segments() if isinstance(t, UnixTransport) else None,
+                  "dead_peers": sorted(t.dead_peers())})
+        elif cmd.get("cmd") == "call":
+            t.request(cmd["dest"], ECHO, ["echo"], [], 5.0,
+                      lambda m, f, e: emit({"event": "called", "meta": m, "error": None if e is None else str(e)}))
         elif cmd.get("cmd") == "drop_held":
             held.clear()
             emit({"event": "dropped"})

@@ -301,6 +301,70 @@ def test_then_chain_and_callbacks_on_already_done_futures():
     assert done_with(2).then(lambda x: x.value() * 3).wait() == 6
 
 
+def _chain_of_then(first: Future, n: int, ran: list) -> Future:
+    chained = first
+    for i in range(n):
+        chained = chained.then(lambda x, i=i: (ran.append(i), x.wait() + 1)[1])
+    return chained
+
+
+@pytest.mark.parametrize("kind", ["torch", "plain"])
+@pytest.mark.parametrize("how", ["set_result", "pool"])
+def test_a_chain_of_2000_then_on_a_pending_future_completes_in_order(kind, how, caplog):
+    # torch completes such a chain at once, each callback once, in order (NOTE [Callback chains])
+    first: Future = Future() if kind == "torch" else _PlainFuture()
+    pool = WorkerPool("test-chain", 1) if how == "pool" else None
+    try:
+        if pool is not None:
+            first._callback_pool = pool
+        ran: list = []
+        last = _chain_of_then(first, 2000, ran)
+        if pool is None:
+            first.set_result(0)
+        else:
+            first._complete_lazy(lambda: 0)
+        assert last.wait(10) == 2000
+        assert ran == list(range(2000))
+        assert "RecursionError" not in caplog.text
+    finally:
+        if pool is not None:
+            pool.stop()
+
+
+def test_a_failed_source_fails_a_2000_long_then_chain_to_its_end():
+    first: Future = Future()
+    ran: list = []
+    last = _chain_of_then(first, 2000, ran)
+    first.set_exception(KeyError("source"))
+    with pytest.raises(KeyError, match="source"):
+        last.wait(10)
+    assert ran == list(range(2000))
+
+
+def test_a_chain_of_callbacks_each_completing_the_next_future_completes():
+    futs = [Future() for _ in range(3000)]
+    for a, b in zip(futs, futs[1:]):
+        a.add_done_callback(lambda f, b=b: b.set_result(f.wait() + 1))
+    futs[0].set_result(0)
+    assert futs[-1].wait(10) == 2999
+
+
+def test_a_callback_that_completes_another_future_sees_its_callbacks_run():
+    # shallow nesting stays inline, as in torch: set_result returns after the callbacks ran
+    other: Future = Future()
+    seen: list = []
+    other.add_done_callback(lambda f: seen.append("other's callback"))
+    first: Future = Future()
+
+    def complete_other(f: Future) -> None:
+        other.set_result(1)
+        seen.append("after set_result")
+
+    first.add_done_callback(complete_other)
+    first.set_result(0)
+    assert seen == ["other's callback", "after set_result"]
+
+
 def test_futures_cannot_be_pickled_with_torchs_phrase():
     with pytest.raises(RuntimeError, match="Can not pickle torch.futures.Future"):
         pickle.dumps(Future())

@@ -229,8 +229,8 @@ class Loop:
             peer.last_rx = time.monotonic()  # any byte is a sign of life (NOTE [Unix liveness])
             try:
                 reader.filled(n, msgs)
-            except unix_wire.ProtocolError as e:
-                self._declare_dead(peer, f"it broke the same-host framing ({e})")
+            except unix_wire.ProtocolError as e:  # NOTE [Protocol errors] in rrefrt_transport.unix.transport
+                self._close_connection(peer, f"it broke the same-host framing ({e})")
                 return True
             if n < len(target):
                 # a short read: the socket was empty, so no recv that would only say EAGAIN
@@ -256,8 +256,8 @@ class Loop:
                     finally:
                         os.close(fd)
                 mapping = peer.segs[m.seg_id]
-            except (IndexError, KeyError, OSError, ValueError):
-                self._declare_dead(peer, f"it named shared-memory segment {m.seg_id} it never sent")
+            except (IndexError, KeyError, OSError, ValueError):  # NOTE [Protocol errors] in rrefrt_transport.unix.transport
+                self._close_connection(peer, f"it named shared-memory segment {m.seg_id} it never sent")
                 return
             pid, seg_id = peer.spec.id, m.seg_id
             release = lambda: self._released(pid, seg_id)  # noqa: E731
@@ -322,6 +322,9 @@ class Loop:
                     shm.unmap(mapping)
         elif kind == unix_wire.BYE and peer is not None:
             peer.bye = True
+        elif kind == unix_wire.CLOSE and peer is not None:  # it read a protocol error from us
+            why = meta[0] if type(meta) is list and len(meta) == 1 and isinstance(meta[0], str) else "?"
+            self._close_connection(peer, f"it closed the connection after a protocol error ({why:.200})", tell=False)
         else:
             self._stats["bad_frames_dropped"] += 1
 
@@ -369,8 +372,10 @@ class Loop:
             peer.last_rx = time.monotonic()
         return True  # data, or EOF that the read path reports with its cause
 
-    def _declare_dead(self: Any, peer: Any, cause: str) -> None:
-        """Receiver thread: fence ``peer``, fail its requests, reclaim its segments."""
+    def _declare_dead(self: Any, peer: Any, cause: str, own: bool = True) -> None:
+        """Receiver thread: fence ``peer``, fail its requests, reclaim its segments. ``own``:
+        on this transport's evidence, not another's verdict (then ``on_verdict`` spreads it,
+        unless the peer said BYE)."""
         if peer.state == "dead":
             return
         joining = peer.state == "joining"
@@ -380,6 +385,38 @@ class Loop:
         level = logging.INFO if peer.bye else logging.WARNING  # an orderly close is no alarm
         log.log(level, "worker %r declared dead by %r: %s", peer.spec.name, self.name, cause)
         self._stats["peers_declared_dead"] += 1
+        self._teardown(peer, PeerUnavailable(peer.spec.name, cause))
+        self._guard(lambda: self._on_peer_dead(peer.spec.id, cause))
+        on_verdict = self.on_verdict
+        if own and not peer.bye and on_verdict is not None:
+            self._guard(lambda: on_verdict(peer.spec.id, cause))
+
+    def _close_connection(self: Any, peer: Any, cause: str, tell: bool = True) -> None:
+        """Receiver thread: NOTE [Protocol errors] in rrefrt_transport.unix.transport. Close ``peer``'s
+        connection - its record is final, as for a death - without judging the peer: no
+        ``on_peer_dead``; ``on_closed`` tells the composite transport to reach it over its
+        inner one. ``tell``: we read the error, so say CLOSE first (best effort: its EOF
+        alone would read as our death)."""
+        if peer.state != "up":
+            return
+        if tell:
+            self._stats["protocol_errors"] += 1
+            self._write(peer, unix_wire.encode(unix_wire.CLOSE, 0, [cause], ()), (), block=False)
+        else:
+            self._stats["connections_closed_by_peer"] += 1
+        peer.state, peer.closed = "dead", cause
+        log.warning(
+            "worker %r closed its same-host connection with worker %r: %s; the peer is not judged dead "
+            "(its liveness is the inner transport's)", self.name, peer.spec.name, cause,
+        )
+        self._teardown(peer, PeerUnavailable(peer.spec.name, f"its same-host connection was closed: {cause}"))
+        on_closed = self.on_closed
+        if on_closed is not None:
+            self._guard(lambda: on_closed(peer.spec.id, cause))
+
+    def _teardown(self: Any, peer: Any, err: PeerUnavailable) -> None:
+        """Receiver thread: ``peer``'s connection is over (its state is set already): stop
+        reading it, close it, fail its requests with ``err``, reclaim its segments."""
         if peer.sock is not None:
             try:
                 self._sel.unregister(peer.sock.fileno())
@@ -403,11 +440,9 @@ class Loop:
             os.close(fd)
         peer.segs.clear()
         peer.rx_fds.clear()
-        err = PeerUnavailable(peer.spec.name, cause)
         pending, peer.pending = peer.pending, {}
         for p in pending.values():
             self._guard(lambda p=p: p.finish(None, (), err))
-        self._guard(lambda: self._on_peer_dead(peer.spec.id, cause))
 
     # ------------------------------------------------------------------ close
     def close(self: Any, timeout: float = 2.0) -> None:

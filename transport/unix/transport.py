@@ -35,6 +35,17 @@ Rules:
 5. Fault injection: ``fault_hook`` has the semantics of NOTE [Fault injection] in
    ``rrefrt_transport.zmq.send``; while a hook is installed every frame travels inline (no segment
    is lent twice by a duplicated message).
+6. NOTE [Protocol errors]: a connection that breaks the framing (a message prefix out of
+   bounds, a shared-memory segment it never sent) is closed - counted as
+   ``protocol_errors``, logged - and its peer is not judged dead: without a secret, a
+   same-uid process that read the store can pass admission under a member's identity
+   (docs/security.md), and one bad frame from it must not make this worker alone hold
+   that member dead while the others keep it (a split membership). Before closing, the
+   reader sends CLOSE [cause], so that the other end (a real peer with a bug) closes its
+   side without reading the EOF as this worker's death (``connections_closed_by_peer``).
+   Both then reach each other over the composite transport's inner one (``on_closed``),
+   whose liveness alone judges death; requests pending on the closed connection fail with
+   PeerUnavailable naming the cause. EOF without CLOSE still means the process is gone.
 """
 
 from __future__ import annotations
@@ -120,6 +131,9 @@ class _Peer:
 
     def __post_init__(self) -> None:
         self.room = threading.Condition(self.q_lock)
+    #: why its connection was closed after a protocol error (NOTE [Protocol errors]); "" else.
+    #: state is then "dead" (final for the connection) but the peer was not judged dead
+    closed: str = ""
 
 
 class UnixTransport(Send, Loop):
@@ -132,6 +146,13 @@ class UnixTransport(Send, Loop):
         self.config = config
         self.id, self.name, self.incarnation = config.worker_id, config.name, config.incarnation
         self._on_message, self._on_peer_dead = on_message, on_peer_dead
+        #: on_closed(peer id, cause): a connection closed after a protocol error (NOTE
+        #: [Protocol errors]); the composite transport routes that peer through its inner one
+        self.on_closed: Callable[[int, str], None] | None = None
+        #: on_verdict(peer id, cause): this transport judged a peer dead on its own evidence
+        #: (EOF, a failed connection, silence; not a BYE, not another's verdict): the
+        #: composite transport spreads it through its inner one (transport/auto.py, Rule 3)
+        self.on_verdict: Callable[[int, str], None] | None = None
         ex = config.extra
         self.shm_threshold: int = int(ex.get("shm_threshold", 256 << 10))  # 0 disables shared memory
         self.shm_copy_out: bool = bool(ex.get("shm_copy_out", False))
@@ -306,7 +327,8 @@ class UnixTransport(Send, Loop):
             return msg_id
         peer = self._peers.get(dest)
         if peer is None or peer.state != "up":
-            cause = "it was declared dead" if peer else "it is not a member of this group (or not on this host)"
+            cause = (peer.closed and f"its same-host connection was closed: {peer.closed}" or "it was declared dead") \
+                if peer else "it is not a member of this group (or not on this host)"
             err = PeerUnavailable(self.peer_name(dest), cause)
             self._call_soon(lambda: on_done(None, (), err))
             return msg_id
@@ -343,13 +365,13 @@ class UnixTransport(Send, Loop):
         if peer_id == self.id:
             return not self._closed.is_set()
         peer = self._peers.get(peer_id)
-        return peer is not None and peer.state != "dead"
+        return peer is not None and (peer.state != "dead" or bool(peer.closed))
 
     def is_local(self, peer_id: int) -> bool:
         return peer_id == self.id or peer_id in self._peers
 
     def dead_peers(self) -> set[int]:
-        return {i for i, p in list(self._peers.items()) if p.state == "dead"}
+        return {i for i, p in list(self._peers.items()) if p.state == "dead" and not p.closed}
 
     def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Not supported: the socket file serves the join only (``connect_peers``), so peers
@@ -369,7 +391,7 @@ class UnixTransport(Send, Loop):
         its pending requests fail, its segments are reclaimed (on the receiver thread)."""
         peer = self._peers.get(peer_id)
         if peer is not None and peer.state != "dead" and not self._closed.is_set():
-            self._call_soon(lambda: self._declare_dead(peer, cause))
+            self._call_soon(lambda: self._declare_dead(peer, cause, own=False))
 
     def peer_name(self, peer_id: int) -> str:
         peer = self._peers.get(peer_id)

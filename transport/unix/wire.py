@@ -39,6 +39,11 @@ Transport kinds of this transport beside wire's HELLO/HELLO_ACK/PING/RESPONSE (1
                                              segments: they go back to the sender's pool
     SHM_FORGET (9)   [segment id, ...]       the sender closed these segments: drop their fds
     BYE (10)         None                    orderly close: the peer is going away
+    CLOSE (11)       [cause]                 the sender closes this connection after a
+                                             protocol error in what it read (NOTE
+                                             [Protocol errors] in rrefrt_transport.unix.transport): the
+                                             connection ends, not the peer; both go on
+                                             over the composite's inner transport
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from typing import Any, Sequence
 
 from rrefrt_transport import wire
 
-SHM_RELEASE, SHM_FORGET, BYE = 8, 9, 10
+SHM_RELEASE, SHM_FORGET, BYE, CLOSE = 8, 9, 10, 11
 
 MAGIC = b"RRU2"
 _ID = struct.Struct("<4sIQQ32s")  # magic, id, incarnation, limit (max_message_size), nonce
@@ -72,7 +77,8 @@ SHM_BIT = 1 << 63
 
 
 class ProtocolError(ValueError):
-    """An admitted peer broke the framing: its connection is closed and it is declared dead."""
+    """An admitted connection broke the framing: it is closed, its peer is not judged dead
+    (NOTE [Protocol errors] in rrefrt_transport.unix.transport)."""
 
 
 # ------------------------------------------------------------------ admission

@@ -213,6 +213,15 @@ class ZmqTransport(SendPath):
         """Peers that joined a running group (transport/zmq/mesh.py)."""
         zmqmesh.add_peers(self, peers, timeout)
 
+    def declare_dead(self, peer_id: int, cause: str) -> None:
+        """Another transport's verdict (the composite's same-host path saw the process go):
+        judged here too and spread to every member as this worker's own (NOTE [Membership]
+        in rrefrt_transport.zmq.heartbeat). Any thread."""
+        try:
+            self._hb.loop.call_soon(lambda: self._hb.declare(peer_id, cause))
+        except LoopClosed:
+            pass
+
     def remove_peer(self, peer_id: int, cause: str) -> None:
         """A member left or was evicted (transport/zmq/mesh.py, Rule 2)."""
         zmqmesh.remove_peer(self, peer_id, cause)

@@ -43,7 +43,9 @@ anything any more (its verdicts are its own), and a FENCED from a peer this work
 dead counts only when no other member is left: otherwise a worker expelled by the others
 that judged them dead before it learnt it (a resumed process, CPU starvation) would expel
 the whole group (found by the chaos campaign: all three workers fenced, after a stop of
-0.5-0.6 s under a load of 60 on two cores).
+0.5-0.6 s under a load of 60 on two cores). A death that another transport of this worker
+saw first (the composite's same-host path: an EOF) is declared here too (``declare``) and
+told like this worker's own verdicts, so no transport's verdict stays one worker's alone.
 """
 
 from __future__ import annotations
@@ -250,6 +252,11 @@ class Heartbeat:
                 self._send_fenced(peer)
         fast = probing or suspects or self._dead_since
         self.loop.call_later(PROBE_S if fast else min(0.25, self.interval / 2), self._tick)
+
+    def declare(self, peer: int, cause: str) -> None:
+        """Heartbeat thread: ``peer`` is dead on another transport's evidence; judged and told
+        as a verdict of this worker's own (NOTE [Membership])."""
+        self._verdict(self.table.declare(peer, cause), tell=True)
 
     def _verdict(self, v: Verdict | None, tell: bool) -> None:
         if v is None:
