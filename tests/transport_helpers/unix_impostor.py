@@ -34,7 +34,8 @@ def main() -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)
     s.connect(cfg["path"])
-    rec, nonce_c = uw.hello(cfg["id"], cfg["incarnation"])
+    limit = 1 << 31  # the max_message_size it claims (the admission records carry it)
+    rec, nonce_c = uw.hello(cfg["id"], cfg["incarnation"], limit)
     s.sendall(rec)
     emit("hello_sent")
     raw = b""
@@ -44,8 +45,8 @@ def main() -> None:
             emit("refused")
             return
         raw += chunk
-    _, _, nonce_s = uw.parse_id(raw)
-    ids = ((cfg["id"], cfg["incarnation"]), (cfg["target_id"], cfg["target_incarnation"]))
+    _, _, target_limit, nonce_s = uw.parse_id(raw)
+    ids = ((cfg["id"], cfg["incarnation"], limit), (cfg["target_id"], cfg["target_incarnation"], target_limit))
     s.sendall(uw.mac(None, "connector", nonce_c, nonce_s, *ids))
     if s.recv(len(uw.ADMIT)) != uw.ADMIT:
         emit("refused")

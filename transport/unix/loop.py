@@ -401,7 +401,7 @@ class Loop:
             return
         if tell:
             self._stats["protocol_errors"] += 1
-            self._write(peer, unix_wire.encode(unix_wire.CLOSE, 0, [cause], ()), (), block=False)
+            self._write(peer, unix_wire.encode(unix_wire.CLOSE, 0, [cause], ()), ())  # never waits (NOTE [Send queue bound])
         else:
             self._stats["connections_closed_by_peer"] += 1
         peer.state, peer.closed = "dead", cause
