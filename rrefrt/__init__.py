@@ -49,7 +49,7 @@ _EXPORTS: dict[str, str] = {
     "RemoteError": "errors",
     "RemoteSerializationError": "errors",
     "AuthenticationError": "errors",
-    "DeviceMapError": "buffers",
+    "DeviceMapError": "payload.buffers",
 }
 #: submodules reachable as attributes (``rrefrt.functions.async_execution``)
 _SUBMODULES = ("functions", "futures")

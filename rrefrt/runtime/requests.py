@@ -18,6 +18,7 @@ reads the future.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -40,6 +41,12 @@ __all__ = ["Requests", "WaitedFuture", "translate", "STACK_WAIT"]
 #: how long past a call's timeout its caller waits for the callee to say where the call is
 #: (a CALL_STACK_QUERY); without an answer by then it raises the plain timeout
 STACK_WAIT = 0.25
+#: NOTE [Stack queries are bounded]: at most this many queries in flight per callee; the
+#: timeouts beyond them fail plainly at once
+STACK_QUERIES_PER_PEER = 4
+#: NOTE [Stack queries are bounded]: a callee that left a query unanswered (its GIL held, a
+#: stopped process) is not asked again for this long: its timeouts fail plainly at once
+STACK_MUTE = 5.0
 
 
 def translate(err: BaseException, what: str, owner_of: str | None = None) -> BaseException:
@@ -153,6 +160,11 @@ class Requests:
         self.control = control
         self.lifecycle = lifecycle
         self.payloads = payloads
+        self._asking_lock = threading.Lock()
+        #: callee -> its stack queries in flight (NOTE [Stack queries are bounded])
+        self._asking: dict[int, int] = {}
+        #: callee -> until when it is not asked (it left a query unanswered)
+        self._mute_until: dict[int, float] = {}
 
     def new_call(self, fut: Future[Any], dest: int, forks: list[Any]) -> _Call:
         return _Call(self, fut, dest, forks)
@@ -247,13 +259,28 @@ class Requests:
         core = self.core
         if dest != core.info.id and not core.transport.is_alive(dest):
             return False
+        # NOTE [Stack queries are bounded]: a burst of timeouts to one callee (thousands of
+        # calls queued behind a stopped peer) must not become a burst of queries, each
+        # holding its call's failure for STACK_WAIT: a few are asked, a callee that did not
+        # answer is not asked again for STACK_MUTE, and the rest fail plainly, at once
+        with self._asking_lock:
+            now = time.monotonic()
+            if self._mute_until.get(dest, 0.0) > now or self._asking.get(dest, 0) >= STACK_QUERIES_PER_PEER:
+                return False
+            self._asking[dest] = self._asking.get(dest, 0) + 1
 
         def done(meta: Any, frames: Sequence[Any], err: Any) -> None:
+            with self._asking_lock:
+                self._asking[dest] -= 1
+                if err is not None:
+                    self._mute_until[dest] = time.monotonic() + STACK_MUTE
             on_answer(meta if err is None else None)
 
         try:
             core.transport.request(dest, query.KIND, query.meta(), [], STACK_WAIT, done, query.NAME)
         except transport.TransportError:
+            with self._asking_lock:
+                self._asking[dest] -= 1
             return False
         return True
 
