@@ -7,6 +7,10 @@ rrefrt's, in the running process. It must run before ``rpc_test`` (or anything t
 at import, and the worker processes that torch's ``MultiProcessTestCase`` spawns import that
 module to unpickle their test class, so they are aliased too.
 
+It also points ``torch.distributed.nn.RemoteModule`` at ``rrefrt.nn.RemoteModule`` (torch's
+RemoteModule tests import it by name). torch's private ``_RemoteModule`` (the TorchScript
+variant, ``_module_interface_cls``) stays torch's.
+
 What the alias does not cover, on purpose: torch's private helpers (``rpc.api._...``,
 ``rpc._get_current_rpc_agent``, ``rpc.internal``), the TensorPipe agent, distributed autograd
 and the profiler. Tests that reach for those keep talking to torch's own (uninitialised) RPC
@@ -65,4 +69,12 @@ def install() -> None:
     for torch_name, ours in PUBLIC_NAMES.items():
         setattr(trpc, torch_name, getattr(rrefrt, ours))
     trpc._rref_context_get_debug_info = rref_context_debug_info  # type: ignore[attr-defined]
+    # torch.distributed.nn's RemoteModule (remote_module_test imports it by name)
+    import torch.distributed.nn as tnn
+    import torch.distributed.nn.api.remote_module as tremote_module
+
+    from rrefrt.nn import RemoteModule
+
+    tnn.RemoteModule = RemoteModule  # type: ignore[attr-defined]
+    tremote_module.RemoteModule = RemoteModule  # type: ignore[attr-defined,misc]
     _installed = True

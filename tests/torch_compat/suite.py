@@ -1,10 +1,11 @@
-"""torch's RpcTest / TensorPipeAgentRpcTest classes, pointed at rrefrt.
+"""torch's RpcTest / TensorPipeAgentRpcTest and RemoteModule test classes, pointed at rrefrt.
 
 Importing this module installs the alias (tests/torch_compat/alias.py) and then imports
-``torch.testing._internal.distributed.rpc.rpc_test`` from the installed torch (nothing is
-copied). It builds the two test classes the way torch's ``rpc_utils.generate_tests`` does:
+``torch.testing._internal.distributed.rpc.rpc_test`` and
+``torch.testing._internal.distributed.nn.api.remote_module_test`` from the installed torch
+(nothing is copied). It builds the two test classes the way torch's ``rpc_utils.generate_tests`` does:
 the generic suite, an agent fixture, and ``SpawnHelper`` (torch's ``MultiProcessTestCase``:
-each test method runs in 4 fresh worker processes, forked by default - see START_METHOD).
+each test method runs in 4 fresh worker processes (2 or 3 for the RemoteModule classes), forked by default - see START_METHOD).
 The classes live here, at module level, because spawned workers find their class by
 ``__module__`` and import this module - which installs the alias in them before the suite
 is imported; forked workers inherit the alias.
@@ -35,6 +36,7 @@ alias.install()
 import rrefrt  # noqa: E402
 import torch.multiprocessing  # noqa: E402
 from torch.testing._internal.distributed.rpc import rpc_test  # noqa: E402
+from torch.testing._internal.distributed.nn.api import remote_module_test  # noqa: E402
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import (  # noqa: E402
     RpcAgentTestFixture,
 )
@@ -46,6 +48,14 @@ from torch.testing._internal.common_utils import find_free_port  # noqa: E402
 #: the suite and the alias, so a test starts in about a second instead of re-importing
 #: torch four times) or "spawn" (what torch's own harness uses; set RREFRT_COMPAT_START).
 START_METHOD = os.environ.get("RREFRT_COMPAT_START", "fork")
+
+#: RREFRT_COMPAT_DUMP=<seconds>: every process that imports this module (the runner and
+#: each worker) prints all its threads' stacks to stderr after that long, to see where a
+#: test that runs into the harness's limit waits
+if os.environ.get("RREFRT_COMPAT_DUMP"):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["RREFRT_COMPAT_DUMP"]), exit=False)
 
 
 class SpawnHelper(MultiProcessTestCase):
@@ -95,9 +105,31 @@ class RrefrtTensorPipeAgentRpcTest(rpc_test.TensorPipeAgentRpcTest, RrefrtAgentF
     pass
 
 
+class RrefrtRemoteModuleTest(remote_module_test.RemoteModuleTest, RrefrtAgentFixture, SpawnHelper):
+    pass
+
+
+class RrefrtThreeWorkersRemoteModuleTest(remote_module_test.ThreeWorkersRemoteModuleTest, RrefrtAgentFixture, SpawnHelper):
+    pass
+
+
+class RrefrtCudaRemoteModuleTest(remote_module_test.CudaRemoteModuleTest, RrefrtAgentFixture, SpawnHelper):
+    pass
+
+
 CLASSES: dict[str, type[unittest.TestCase]] = {
     "RpcTest": RrefrtRpcTest,
     "TensorPipeAgentRpcTest": RrefrtTensorPipeAgentRpcTest,
+    "RemoteModuleTest": RrefrtRemoteModuleTest,
+    "ThreeWorkersRemoteModuleTest": RrefrtThreeWorkersRemoteModuleTest,
+    "CudaRemoteModuleTest": RrefrtCudaRemoteModuleTest,
+}
+
+#: the families run_all and the docs count together (torch's RemoteModuleTest family is the
+#: three RemoteModule classes of remote_module_test.py: world size 2, 3 and the CUDA tests)
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "RpcTest": ("RpcTest", "TensorPipeAgentRpcTest"),
+    "RemoteModuleTest": ("RemoteModuleTest", "ThreeWorkersRemoteModuleTest", "CudaRemoteModuleTest"),
 }
 
 
