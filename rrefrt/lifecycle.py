@@ -219,6 +219,11 @@ def _graceful(rt: Any, rdzv: Any, world_size: int, deadline: float, phase: list[
                 f"shutdown of {rt.info.name!r}: calls in flight (run here for live peers, or sent from here) "
                 "had not finished at the timeout - a handler that never returns? They were abandoned"
             )
+        elif time.monotonic() > deadline:  # every step found its condition met, but too late
+            error = ShutdownError(
+                f"shutdown of {rt.info.name!r} did not complete within its timeout: its steps ended "
+                f"{time.monotonic() - deadline:.3f}s past the deadline (raise the timeout, or shutdown_timeout)"
+            )
         phase[0] = "leave barrier"
         if rdzv.server is not None:  # rank 0 hosts the store: it leaves last
             rdzv.barrier("leave", me, world_size, deadline, dead)
