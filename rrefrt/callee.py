@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import transport
 
 from . import serialization as ser
-from . import state
+from . import state, userlog
 from .devices import NO_SCOPE
 from .errors import RemoteSerializationError, SerializationError, ShutdownError
 from .functions import is_async_execution, when_future_done
@@ -37,6 +37,9 @@ from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, Ser
 from .rref_context import FAILED, READY, OwnerRecord
 
 log = logging.getLogger("rrefrt")
+#: a user function's exception, reported on the worker that ran it (rrefrt/userlog.py);
+#: ``logging.getLogger("rrefrt.callee").setLevel(logging.ERROR)`` silences it
+_user_log = logging.getLogger("rrefrt.callee")
 
 #: how many recent PYTHON_CALL ids per peer are remembered to drop duplicates
 SEEN_CALLS = 65536
@@ -189,6 +192,10 @@ class Callee:
         try:
             result = func(*args, **kwargs)
         except BaseException as e:
+            if isinstance(e, Exception):  # the caller gets it; this worker's log says so too (torch does)
+                userlog.warn(_user_log, "On worker %r: %s raised %r\n%s", self.rt.info.name,
+                             getattr(func, "__qualname__", type(func).__name__), e,
+                             "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip())
             done(None, e)
             return
         if is_async_execution(func):
