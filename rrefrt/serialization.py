@@ -219,6 +219,10 @@ def _as_buffer(frame: Any) -> Any:
 
 def _describe(obj: Any) -> str:
     if isinstance(obj, tuple) and len(obj) == 3 and callable(obj[0]):
+        script = getattr(obj[0], "qualified_name", None)  # a TorchScript function (or its profiled call)
+        if isinstance(script, str):
+            return (f"the call to the TorchScript function {script!r} (rrefrt runs Python functions, not "
+                    "TorchScript: send the Python function instead)")
         name = getattr(obj[0], "__qualname__", repr(obj[0]))
         return f"the call to {name!r} (function, args or kwargs)"
     return f"an object of type {type(obj).__name__}"
