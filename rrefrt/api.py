@@ -21,7 +21,7 @@ from .autograd import _hooks as _autograd
 from .devices import DeviceInfo, DevicePlan
 from .errors import ArgumentError, AuthenticationError, RpcError, ShutdownError
 from .futures import Future
-from .options import RpcBackendOptions, WorkerInfo
+from .options import RpcBackendOptions, WorkerInfo, check_worker_name
 from .membership import MAX_RANKS, Membership, shutdown_dynamic
 from .rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
 from .lifecycle import shutdown_graceful
@@ -78,13 +78,23 @@ def init_rpc(
     others, members learn of it, and its ``shutdown()`` leaves the group without a barrier
     (see docs/dynamic-groups.md). A name or rank already taken raises RendezvousError
     ("... is not unique")."""
-    if not isinstance(name, str) or not name or len(name) > 128 or any(c.isspace() for c in name):
-        raise ArgumentError(f"worker name must be a non-empty string without spaces, got {name!r}")
+    check_worker_name(name)
     options = rpc_backend_options or RpcBackendOptions()
     if not isinstance(options, RpcBackendOptions):
         raise ArgumentError(  # torch's phrase
             f"Argument rpc_backend_options must be an instance of RpcBackendOptions (rrefrt.RpcBackendOptions), "
             f"got {type(options).__name__}")
+    if type(options) is not RpcBackendOptions:
+        # a subclass is another backend's options, as in torch (which infers the backend from
+        # the options' class); rrefrt has one backend, whose options are RpcBackendOptions
+        # (TensorPipeRpcBackendOptions is the same class). torch's phrases, which its tests match
+        if backend is None:
+            raise ArgumentError(
+                f"Could not infer backend for options {options!r}: rrefrt's backend takes rrefrt.RpcBackendOptions "
+                f"(or TensorPipeRpcBackendOptions), not the subclass {type(options).__qualname__}")
+        raise ArgumentError(
+            f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. Got {type(options).__qualname__} "
+            "(rrefrt.RpcBackendOptions, the same class, is accepted)")
     with _init_lock:
         if state.current_or_none() is not None:
             raise RpcError("RPC is already initialized on this process; call rrefrt.shutdown() first")

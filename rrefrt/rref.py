@@ -33,6 +33,7 @@ from .errors import OwnerDiedError, RpcError, RpcTimeoutError, SerializationErro
 from .functions import is_async_execution, is_future, wrong_return_type
 from .profiling import active as profiling_active, profiled_call, profiling_future
 from .futures import Future
+from .ids import GloballyUniqueId
 from .pool import current_pool
 from .rref_context import READY, OwnerRecord, UserRecord
 
@@ -40,6 +41,13 @@ __all__ = ["RRef"]
 
 T = TypeVar("T")
 
+
+
+def _torch_fork_str(rid: GloballyUniqueId, fid: GloballyUniqueId) -> str:
+    """torch's text for a user's fork id. remote()'s user keeps the RRef id as its fork id
+    in rrefrt; torch gives it the next id, which rrefrt leaves unused for this
+    (RRefContext.new_remote_user)."""
+    return (GloballyUniqueId(rid.worker, rid.local + 1) if fid == rid else fid).torch_str()
 
 class RRef(Generic[T]):
     """A reference to a value that lives on one worker (its owner)."""
@@ -117,6 +125,14 @@ class RRef(Generic[T]):
             owner = f"worker {self._owner_id()}"
         return f"{kind}(owner={owner}, rref_id={rid}, fork_id={fid})"
 
+    def __str__(self) -> str:
+        """torch's text (``OwnerRRef(GloballyUniqueId(...))``, ``UserRRef(RRefId = ..., ForkId = ...)``);
+        ``repr`` gives rrefrt's, with the owner's name."""
+        rid, fid = self._ids()
+        if self._owner_rec is not None:
+            return f"OwnerRRef({rid.torch_str()})"
+        return f"UserRRef(RRefId = {rid.torch_str()}, ForkId = {_torch_fork_str(rid, fid)})"
+
     def __class_getitem__(cls, item: Any) -> Any:  # RRef[int] in annotations
         return cls
 
@@ -154,7 +170,7 @@ class RRef(Generic[T]):
         if self._owner_rec is None:
             rid, fid = self._ids()
             raise RpcError(
-                f"For UserRRef(rref_id={rid}, fork_id={fid}), can't call localValue() on user "
+                f"For UserRRef(rref_id={rid.torch_str()}, fork_id={_torch_fork_str(rid, fid)}), can't call localValue() on user "
                 f"{self._rt.info!r}. Call it on owner {self.owner()!r}: local_value() can only be called on "
                 f"the owner of the RRef ({self!r}); use to_here() for a copy"
             )
