@@ -19,7 +19,8 @@ import transport
 from . import profiling as _profiling, serialization, state
 from .autograd import _hooks as _autograd
 from .devices import DeviceInfo, DevicePlan
-from .errors import ArgumentError, AuthenticationError, RpcError, ShutdownError
+from .agent_view import AgentView
+from .errors import ArgumentError, AuthenticationError, RpcError, RpcTimeoutError, ShutdownError
 from .futures import Future
 from .options import RpcBackendOptions, WorkerInfo, check_worker_name
 from .membership import MAX_RANKS, Membership, shutdown_dynamic
@@ -244,6 +245,47 @@ def get_rpc_timeout() -> float:
 
 def get_debug_info() -> dict[str, Any]:
     return state.current().debug_info()
+
+
+# ---------------------------------------------------------------- torch's private helpers
+# Private in torch, called by torch programs in the wild; these have the same meaning here
+# (docs/compatibility.md lists the private helpers that differ).
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """torch's ``rpc._set_rpc_timeout``: the default timeout (seconds) of every later call,
+    fetch and RRef wait made by this worker (``get_rpc_timeout()`` returns it)."""
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
+        raise ArgumentError(f"_set_rpc_timeout expects a number of seconds >= 0, got {rpc_timeout!r}")
+    state.current().options.rpc_timeout = float(rpc_timeout)
+
+
+def _get_debug_info() -> dict[str, Any]:
+    """torch's ``rpc._get_debug_info``: rrefrt's counters (``get_debug_info()``)."""
+    return get_debug_info()
+
+
+def _get_current_rpc_agent() -> AgentView:
+    """torch's ``rpc._get_current_rpc_agent``: a view with ``get_worker_infos()``,
+    ``get_worker_info(name=None)`` and ``get_debug_info()`` (rrefrt/agent_view.py)."""
+    return AgentView(state.current())
+
+
+def _wait_all_workers(timeout: float = 5.0) -> None:
+    """torch's ``rpc.api._wait_all_workers``: a barrier of every worker of the group, through
+    the rendezvous store; each worker must call it the same number of times. Raises
+    RpcTimeoutError naming the workers that did not arrive within ``timeout`` seconds."""
+    rt = state.current()
+    rdzv, world_size = rt.group
+    if world_size == DYNAMIC:
+        raise RpcError("_wait_all_workers needs a group of fixed size (init_rpc with world_size)")
+    rt.user_barriers += 1
+    phase = f"wait_all_workers/{rt.user_barriers}"
+    missing = rdzv.barrier(phase, rt.info.id, world_size, time.monotonic() + timeout, set())
+    if missing:
+        names = ", ".join(repr(rt.workers_by_id[r].name) if r in rt.workers_by_id else f"rank {r}" for r in missing)
+        raise RpcTimeoutError(
+            f"_wait_all_workers on {rt.info.name!r} timed out after {timeout:.2f} seconds: worker(s) {names} did not arrive"
+        )
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

@@ -198,3 +198,21 @@ def test_options_of_another_backend_are_a_type_error_with_torchs_text():
     with pytest.raises(TypeError, match="`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`"):
         rrefrt.init_rpc("w0", backend=rrefrt.BackendType.TENSORPIPE, rank=0, world_size=1,
                         rpc_backend_options=FooBackendOptions())
+
+
+def test_torchs_private_helpers_that_programs_call():
+    port = free_port()
+    rrefrt.init_rpc("w0", rank=0, world_size=1,
+                    rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))
+    try:
+        rrefrt._set_rpc_timeout(7.5)
+        assert rrefrt.get_rpc_timeout() == 7.5
+        assert rrefrt._get_current_rpc_agent().get_worker_infos() == [rrefrt.WorkerInfo("w0", 0)]
+        assert rrefrt._get_current_rpc_agent().get_worker_info().name == "w0"
+        assert rrefrt._get_debug_info()["num_owner_rrefs"] == 0
+        rrefrt.api._wait_all_workers(5.0)
+        rrefrt.api._wait_all_workers(5.0)  # twice: each call is a barrier of its own
+        with pytest.raises(ValueError):
+            rrefrt._set_rpc_timeout(-1)
+    finally:
+        rrefrt.shutdown()

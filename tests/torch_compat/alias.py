@@ -11,8 +11,12 @@ It also points ``torch.distributed.nn.RemoteModule`` at ``rrefrt.nn.RemoteModule
 RemoteModule tests import it by name). torch's private ``_RemoteModule`` (the TorchScript
 variant, ``_module_interface_cls``) stays torch's.
 
-What the alias does not cover, on purpose: torch's private helpers (``rpc.api._...``,
-``rpc._get_current_rpc_agent``, ``rpc.internal``), the TensorPipe agent, distributed autograd
+It also sets the private helpers rrefrt provides with torch's meaning (``PRIVATE_NAMES``:
+``_set_rpc_timeout``, ``_get_debug_info``, ``_get_current_rpc_agent`` - on the module and on
+its ``api`` submodule - and ``api._wait_all_workers``).
+
+What the alias does not cover, on purpose: torch's other private helpers (``rpc.api._all_gather``,
+``rpc.api._barrier``, ``rpc.internal``, ``rpc.backend_registry``), the TensorPipe agent, distributed autograd
 and the profiler. Tests that reach for those keep talking to torch's own (uninitialised) RPC
 runtime and are listed in docs/compatibility.md as expected to differ.
 
@@ -43,6 +47,15 @@ PUBLIC_NAMES: dict[str, str] = {
     "functions": "functions",
 }
 
+#: torch's private helpers that torch programs call and rrefrt provides (same meaning),
+#: set on ``torch.distributed.rpc`` and, where torch has them there, on its ``api`` module;
+#: ``rpc.api._wait_all_workers`` is rrefrt.api's too
+PRIVATE_NAMES: dict[str, str] = {
+    "_set_rpc_timeout": "_set_rpc_timeout",
+    "_get_debug_info": "_get_debug_info",
+    "_get_current_rpc_agent": "_get_current_rpc_agent",
+}
+
 _installed = False
 
 
@@ -69,6 +82,14 @@ def install() -> None:
     for torch_name, ours in PUBLIC_NAMES.items():
         setattr(trpc, torch_name, getattr(rrefrt, ours))
     trpc._rref_context_get_debug_info = rref_context_debug_info  # type: ignore[attr-defined]
+    # torch's private helpers that rrefrt provides with the same meaning (rrefrt/api.py)
+    import torch.distributed.rpc.api as tapi
+
+    for torch_name, ours in PRIVATE_NAMES.items():
+        setattr(trpc, torch_name, getattr(rrefrt, ours))
+        if hasattr(tapi, torch_name):
+            setattr(tapi, torch_name, getattr(rrefrt, ours))
+    tapi._wait_all_workers = rrefrt.api._wait_all_workers  # type: ignore[attr-defined]
     # torch.distributed.nn's RemoteModule (remote_module_test imports it by name)
     import torch.distributed.nn as tnn
     import torch.distributed.nn.api.remote_module as tremote_module

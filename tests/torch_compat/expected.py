@@ -65,19 +65,13 @@ _group(
 )
 _group(
     'private',
-    'calls rpc.api._wait_all_workers (private)',
-    'RpcTest.test_wait_all_workers_dense',
-    'RpcTest.test_wait_all_workers_twice_dense',
-    'TensorPipeAgentRpcTest.test_wait_all_workers_twice_sparse',
-)
-_group(
-    'private',
-    "calls rpc.api.get_worker_info (torch's api submodule, not aliased)",
+    "calls rpc.api.get_worker_info (torch's api submodule, not aliased: it checks torch's own agent is set)",
     'RpcTest.test_worker_info_pickle',
 )
 _group(
     'private',
-    'calls torch.distributed.rpc.api._all_gather / _barrier (private)',
+    "calls torch.distributed.rpc.api._all_gather / _barrier (private; rrefrt provides _wait_all_workers, a barrier "
+    "without values, not an all-gather)",
     'RpcTest.test_all_gather',
     'RpcTest.test_all_gather_timeout',
     'RpcTest.test_rpc_barrier_all',
@@ -87,7 +81,8 @@ _group(
 )
 _group(
     'private',
-    "compares rrefrt's debug info with torch's _get_debug_info, the agent's and dist_autograd's",
+    "rpc._get_debug_info() is rrefrt's; the test merges it with torch's own dist_autograd._get_debug_info() "
+    "(torch's distributed autograd is not initialised)",
     'RpcTest.test_debug_info',
 )
 _group(
@@ -98,22 +93,14 @@ _group(
 )
 _group(
     'private',
-    "reads torch's RPC agent (rpc.api._get_current_rpc_agent, private)",
-    'RpcTest.test_get_worker_infos',
+    "rpc.api._get_current_rpc_agent() is rrefrt's AgentView (get_worker_infos, get_worker_info, get_debug_info); "
+    "the test checks that it is an instance of torch's TensorPipeAgent",
     'TensorPipeAgentRpcTest.test_infer_backend_from_options',
-    'TensorPipeAgentRpcTest.test_set_and_get_num_worker_threads',
 )
 _group(
     'private',
     'registers a backend through rpc.backend_registry (private)',
     'RpcTest.test_register_rpc_backend_and_set_and_start_rpc_backend',
-)
-_group(
-    'private',
-    'sets the default timeout with rpc._set_rpc_timeout (private)',
-    'RpcTest.test_default_timeout_used',
-    'RpcTest.test_handle_send_exceptions',
-    'RpcTest.test_rpc_timeouts',
 )
 _group(
     'private',
@@ -175,11 +162,6 @@ _group(
     'RRef._get_future() works; the test then runs a TorchScript function remotely',
     'RpcTest.test_rref_get_future',
 )
-_group(
-    'private',
-    'torch.futures.wait_all over rrefrt futures works; the test then calls rpc.api._wait_all_workers (private)',
-    'TensorPipeAgentRpcTest.test_wait_all_workers_sparse',
-)
 
 _group(
     'torchscript',
@@ -240,6 +222,12 @@ CI_PASSING: list[str] = [
     "RpcTest.test_rref_str",
     "RpcTest.test_local_value_not_on_owner",
     "RpcTest.test_py_raise_in_user_func",
+    # torch's private helpers that rrefrt provides (rpc._set_rpc_timeout, api._wait_all_workers,
+    # _get_current_rpc_agent().get_worker_infos() / get_debug_info())
+    "RpcTest.test_default_timeout_used",
+    "RpcTest.test_wait_all_workers_twice_dense",
+    "RpcTest.test_get_worker_infos",
+    "TensorPipeAgentRpcTest.test_set_and_get_num_worker_threads",
     "RemoteModuleTest.test_bad_module",
     "RemoteModuleTest.test_train_eval",
     "RemoteModuleTest.test_unsupported_methods",
