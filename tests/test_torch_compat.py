@@ -1,16 +1,18 @@
-"""torch's own RPC tests (rpc_test.py: RpcTest, TensorPipeAgentRpcTest) run against rrefrt.
+"""torch's own RPC and RemoteModule tests (rpc_test.py: RpcTest, TensorPipeAgentRpcTest;
+remote_module_test.py: RemoteModuleTest, ThreeWorkersRemoteModuleTest, CudaRemoteModuleTest)
+run against rrefrt.
 
-The suite ships with the installed torch (torch/testing/_internal/distributed/rpc/
-rpc_test.py); nothing is copied. tests/torch_compat/alias.py points torch.distributed.rpc's
+The suites ship with the installed torch (torch/testing/_internal/distributed/rpc/
+rpc_test.py, .../distributed/nn/api/remote_module_test.py); nothing is copied. tests/torch_compat/alias.py points torch.distributed.rpc's
 public names at rrefrt, tests/torch_compat/suite.py builds the test classes with an rrefrt
-agent fixture (world size 4, CPU, tcp:// rendezvous, no distributed autograd), and every
-test method runs in 4 worker processes as in torch's harness.
+agent fixture (world size 4 - 2 or 3 for RemoteModule - CPU, tcp:// rendezvous), and every
+test method runs in its own worker processes as in torch's harness.
 
-What runs here (CI: about 30 s on 2 idle cores): ``CI_PASSING``, a chosen set of tests
+What runs here (CI: about 45 s on 2 loaded cores): ``CI_PASSING``, a chosen set of tests
 that pass today, and ``CI_EXPECTED_TO_DIFFER``, a few tests of causes other engineers are fixing, as
 non-strict xfails with their reason - when a fix lands they XPASS, and the entry moves to
 CI_PASSING. All of it runs in one subprocess (a clean parent to fork the workers from),
-started once per module. ``RREFRT_COMPAT_FULL=1`` runs every test of both classes instead
+started once per module. ``RREFRT_COMPAT_FULL=1`` runs every test of every class instead
 (about 20-40 minutes on 2 cores), with every test of ``EXPECTED_TO_DIFFER`` an xfail; the
 per-test table and the reasons are in docs/compatibility.md.
 """
