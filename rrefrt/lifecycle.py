@@ -194,6 +194,10 @@ def _graceful(rt: Any, rdzv: Any, world_size: int, deadline: float, phase: list[
         missing = rdzv.barrier("enter", me, world_size, deadline, dead)
         if missing:
             rt.accepting = False
+            try:  # NOTE in Rendezvous.barrier: the others must not take this exit for a death
+                rdzv.arrive("failed", me)
+            except Exception:
+                pass
             return ShutdownError(
                 f"shutdown of {rt.info.name!r}: worker(s) {names(missing)} never reached shutdown within the timeout"
             )

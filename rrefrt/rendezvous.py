@@ -577,7 +577,15 @@ class Rendezvous:
                 store.answer_timeout = max(answer, deadline - time.monotonic())
             store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
             keys = [f"barrier/{phase}/{r}" for r in range(world_size)]
-            missing = self._wait_keys(keys, deadline, dead)
+
+            def gone() -> set[int]:
+                # a worker that gave up its shutdown (it arrived at "failed") and closed is not
+                # a death that completes the barrier: it stays missing, and this shutdown
+                # reports it instead of completing without it
+                ranks = set(dead() if callable(dead) else dead)
+                return {r for r in ranks if not store.check([self.key(f"barrier/failed/{r}")])}
+
+            missing = self._wait_keys(keys, deadline, gone)
         except StoreError as e:
             raise self._barrier_failed(phase, e) from None
         finally:

@@ -48,3 +48,29 @@ def test_steps_that_end_past_the_deadline_raise():
 
 def test_steps_within_the_deadline_return_no_error():
     assert _graceful(_runtime(), _Rendezvous(slow=0.0), 2, time.monotonic() + 10) is None
+
+
+def test_a_worker_that_gave_up_its_shutdown_is_missing_not_dead():
+    """A worker whose shutdown failed (it arrived at "failed") and closed: another worker's
+    barrier reports it as missing at its deadline instead of counting it as dead (a death
+    completes a barrier; a shutdown that gave up must not complete the others')."""
+    from rrefrt.rendezvous import GroupSpec, Record, Rendezvous
+    from tests.support import free_port
+
+    port = free_port()
+    host = Rendezvous(GroupSpec("127.0.0.1", port, 0, 2), 10)
+    other = Rendezvous(GroupSpec("127.0.0.1", port, 1, 2), 10)
+    import threading
+
+    t = threading.Thread(target=lambda: other.join(Record("w1", 1, 2, 1, {}, {}), time.monotonic() + 10))
+    t.start()
+    host.join(Record("w0", 0, 2, 0, {}, {}), time.monotonic() + 10)
+    t.join(10)
+    try:
+        other.arrive("enter", 1)
+        other.arrive("failed", 1)
+        assert host.barrier("enter", 0, 2, time.monotonic() + 5, {1}) == []  # it did arrive there
+        assert host.barrier("drained", 0, 2, time.monotonic() + 0.3, {1}) == [1]
+    finally:
+        other.close()
+        host.close()
