@@ -270,11 +270,13 @@ def _get_current_rpc_agent() -> AgentView:
     return AgentView(state.current())
 
 
-def _wait_all_workers(timeout: float = 5.0) -> None:
+def _wait_all_workers(timeout: float | None = None) -> None:
     """torch's ``rpc.api._wait_all_workers``: a barrier of every worker of the group, through
     the rendezvous store; each worker must call it the same number of times. Raises
-    RpcTimeoutError naming the workers that did not arrive within ``timeout`` seconds."""
+    RpcTimeoutError naming the workers that did not arrive within ``timeout`` seconds
+    (None: the options' ``shutdown_timeout``, as torch bounds it by its shutdown timeout)."""
     rt = state.current()
+    timeout = rt.options.shutdown_timeout if timeout is None else timeout
     rdzv, world_size = rt.group
     if world_size == DYNAMIC:
         raise RpcError("_wait_all_workers needs a group of fixed size (init_rpc with world_size)")
