@@ -53,14 +53,21 @@ _EXPORTS: dict[str, str] = {
 }
 #: submodules reachable as attributes (``rrefrt.functions.async_execution``)
 _SUBMODULES = ("functions", "futures")
+#: torch's private helpers that torch programs call (``rpc._set_rpc_timeout``, ...), and
+#: ``rrefrt.api`` for ``rpc.api._wait_all_workers``: reachable, not in ``__all__``
+_PRIVATE: dict[str, str] = {
+    "_set_rpc_timeout": "api",
+    "_get_debug_info": "api",
+    "_get_current_rpc_agent": "api",
+}
 
 __all__ = [*_EXPORTS, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    elif name in _SUBMODULES:
+    if name in _EXPORTS or name in _PRIVATE:
+        value = getattr(importlib.import_module(f".{_EXPORTS.get(name) or _PRIVATE[name]}", __name__), name)
+    elif name in _SUBMODULES or name == "api":
         value = importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module 'rrefrt' has no attribute {name!r}")

@@ -19,9 +19,10 @@ from rrefrt import arguments, debug, profiling as _profiling, state
 from rrefrt.payload import serialization
 from rrefrt import hooks as _autograd
 from rrefrt.payload.devices import DeviceInfo, DevicePlan
-from rrefrt.errors import ArgumentError, AuthenticationError, RpcError, ShutdownError, WorkerUnavailableError
+from rrefrt.agent_view import AgentView
+from rrefrt.errors import ArgumentError, AuthenticationError, RpcError, RpcTimeoutError, ShutdownError, WorkerUnavailableError
 from rrefrt.futures import Future
-from rrefrt.options import RpcBackendOptions, WorkerInfo
+from rrefrt.options import RpcBackendOptions, WorkerInfo, check_worker_name
 from rrefrt.group.membership import MAX_RANKS, Membership, shutdown_dynamic
 from rrefrt.group.rendezvous import DYNAMIC, Record, Rendezvous, RendezvousError, bind_host, resolve
 from rrefrt.runtime.shutdown import format_calls, shutdown_graceful
@@ -80,14 +81,24 @@ def init_rpc(
     ("... is not unique"). ``backend`` is None or ``BackendType.TENSORPIPE``; ``rank`` an int
     (-1: RANK from the environment), ``world_size`` an int >= 1 or None: anything else raises
     ArgumentError at once, as do bad options (``RpcBackendOptions.validate``)."""
-    if not isinstance(name, str) or not name or len(name) > 128 or any(c.isspace() for c in name):
-        raise ArgumentError(f"worker name must be a non-empty string without spaces, got {name!r}")
+    check_worker_name(name)
     arguments.backend_type(backend)  # accepted for compatibility: rrefrt has one backend
     options = rpc_backend_options or RpcBackendOptions()
     if not isinstance(options, RpcBackendOptions):
         raise ArgumentError(  # torch's phrase
             f"Argument rpc_backend_options must be an instance of RpcBackendOptions (rrefrt.RpcBackendOptions), "
             f"got {type(options).__name__}")
+    if type(options) is not RpcBackendOptions:
+        # a subclass is another backend's options, as in torch (which infers the backend from
+        # the options' class); rrefrt has one backend, whose options are RpcBackendOptions
+        # (TensorPipeRpcBackendOptions is the same class). torch's phrases, which its tests match
+        if backend is None:
+            raise ArgumentError(
+                f"Could not infer backend for options {options!r}: rrefrt's backend takes rrefrt.RpcBackendOptions "
+                f"(or TensorPipeRpcBackendOptions), not the subclass {type(options).__qualname__}")
+        raise ArgumentError(
+            f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`. Got {type(options).__qualname__} "
+            "(rrefrt.RpcBackendOptions, the same class, is accepted)")
     options.validate()  # again: a field may have been set after construction
     # -1 (or None): RANK from the environment; a rank >= world_size is the rendezvous's to
     # report, to the whole group (rrefrt/group/rendezvous.py)
@@ -285,6 +296,49 @@ def get_debug_info() -> dict[str, Any]:
     both directions, oldest first, each a dict with id, direction ("incoming"/"outgoing"),
     function, peer, age (s) and state (docs/stuck.md). Safe to poll from any thread."""
     return state.current().debug_info()
+
+
+# ---------------------------------------------------------------- torch's private helpers
+# Private in torch, called by torch programs in the wild; these have the same meaning here
+# (docs/compatibility.md lists the private helpers that differ).
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """torch's ``rpc._set_rpc_timeout``: the default timeout (seconds) of every later call,
+    fetch and RRef wait made by this worker (``get_rpc_timeout()`` returns it)."""
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
+        raise ArgumentError(f"_set_rpc_timeout expects a number of seconds >= 0, got {rpc_timeout!r}")
+    state.current().options.rpc_timeout = float(rpc_timeout)
+
+
+def _get_debug_info() -> dict[str, Any]:
+    """torch's ``rpc._get_debug_info``: rrefrt's counters (``get_debug_info()``)."""
+    return get_debug_info()
+
+
+def _get_current_rpc_agent() -> AgentView:
+    """torch's ``rpc._get_current_rpc_agent``: a view with ``get_worker_infos()``,
+    ``get_worker_info(name=None)`` and ``get_debug_info()`` (rrefrt/agent_view.py)."""
+    return AgentView(state.current())
+
+
+def _wait_all_workers(timeout: float | None = None) -> None:
+    """torch's ``rpc.api._wait_all_workers``: a barrier of every worker of the group, through
+    the rendezvous store; each worker must call it the same number of times. Raises
+    RpcTimeoutError naming the workers that did not arrive within ``timeout`` seconds
+    (None: the options' ``shutdown_timeout``, as torch bounds it by its shutdown timeout)."""
+    rt = state.current()
+    timeout = rt.options.shutdown_timeout if timeout is None else timeout
+    rdzv, world_size = rt.group
+    if world_size == DYNAMIC:
+        raise RpcError("_wait_all_workers needs a group of fixed size (init_rpc with world_size)")
+    rt.user_barriers += 1
+    phase = f"wait_all_workers/{rt.user_barriers}"
+    missing = rdzv.barrier(phase, rt.info.id, world_size, time.monotonic() + timeout, set())
+    if missing:
+        names = ", ".join(repr(rt.workers_by_id[r].name) if r in rt.workers_by_id else f"rank {r}" for r in missing)
+        raise RpcTimeoutError(
+            f"_wait_all_workers on {rt.info.name!r} timed out after {timeout:.2f} seconds: worker(s) {names} did not arrive"
+        )
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

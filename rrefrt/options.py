@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +23,30 @@ class BackendType(enum.Enum):
     TENSORPIPE = "TENSORPIPE"
 
 
+#: torch's rule for worker names (its WorkerInfo checks the same, with this text)
+_NAME = re.compile(r"[A-Za-z0-9\-_:]{1,127}")
+
+
+def check_worker_name(name: object) -> None:
+    """Raise ArgumentError (a RuntimeError too, as torch's) unless ``name`` is 1-127 of
+    ``A-Z a-z 0-9 - _ :``."""
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+        raise ArgumentError(
+            "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter than 128 chars, "
+            f"but got {name!r}"
+        )
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
-    """A worker of the group: its unique ``name`` and ``id`` (its rank). Hashable."""
+    """A worker of the group: its unique ``name`` and ``id`` (its rank). Hashable. The name
+    follows torch's rule (``check_worker_name``)."""
 
     name: str
     id: int
+
+    def __post_init__(self) -> None:
+        check_worker_name(self.name)
 
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"

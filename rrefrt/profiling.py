@@ -325,6 +325,10 @@ class _Profiled:
         self.func, self.shapes, self.memory, self.deliver_to, self.call_id = func, shapes, memory, deliver_to, call_id
         if is_async_execution(func):
             self._rrefrt_async_execution = True
+        # errors name the user's function, not this wrapper (serialization._describe)
+        self.__qualname__ = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+        if getattr(func, "qualified_name", None):  # a TorchScript function
+            self.qualified_name = func.qualified_name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         profile = torchimport.import_module("torch.autograd.profiler_legacy").profile

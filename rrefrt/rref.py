@@ -39,7 +39,7 @@ from rrefrt.options import RpcBackendOptions, WorkerInfo
 from rrefrt.pool import WorkerPool
 from rrefrt.protocol.audit import site_text
 from rrefrt.protocol.context import READY, OwnerRecord, RRefContext, UserRecord
-from rrefrt.protocol.ids import ForkId
+from rrefrt.protocol.ids import ForkId, GloballyUniqueId
 
 __all__ = ["RRef", "RRefHost"]
 
@@ -67,6 +67,12 @@ class RRefHost(Protocol):
     def enqueue_drop(self, fork_id: ForkId) -> None: ...
     def register_users(self, recs: list[Any]) -> None: ...
 
+
+def _torch_fork_str(rid: GloballyUniqueId, fid: GloballyUniqueId) -> str:
+    """torch's text for a user's fork id. remote()'s user keeps the RRef id as its fork id
+    in rrefrt; torch gives it the next id, which rrefrt leaves unused for this
+    (RRefContext.new_remote_user)."""
+    return (GloballyUniqueId(rid.worker, rid.local + 1) if fid == rid else fid).torch_str()
 
 class RRef(Generic[T]):
     """A reference to a value that lives on one worker (its owner)."""
@@ -144,6 +150,14 @@ class RRef(Generic[T]):
             owner = f"worker {self._owner_id()}"
         return f"{kind}(owner={owner}, rref_id={rid}, fork_id={fid})"
 
+    def __str__(self) -> str:
+        """torch's text (``OwnerRRef(GloballyUniqueId(...))``, ``UserRRef(RRefId = ..., ForkId = ...)``);
+        ``repr`` gives rrefrt's, with the owner's name."""
+        rid, fid = self._ids()
+        if self._owner_rec is not None:
+            return f"OwnerRRef({rid.torch_str()})"
+        return f"UserRRef(RRefId = {rid.torch_str()}, ForkId = {_torch_fork_str(rid, fid)})"
+
     def __class_getitem__(cls, item: Any) -> Any:
         """``RRef[T]`` in annotations. Python does not check annotations: it is the class
         itself, except where torch is loaded, where it is torch's ``RRef[T]``, the one RRef
@@ -197,7 +211,7 @@ class RRef(Generic[T]):
         if self._owner_rec is None:
             rid, fid = self._ids()
             raise RpcError(
-                f"For UserRRef(rref_id={rid}, fork_id={fid}), can't call localValue() on user "
+                f"For UserRRef(rref_id={rid.torch_str()}, fork_id={_torch_fork_str(rid, fid)}), can't call localValue() on user "
                 f"{self._rt.info!r}. Call it on owner {self.owner()!r}: local_value() can only be called on "
                 f"the owner of the RRef ({self!r}); use to_here() for a copy"
             )

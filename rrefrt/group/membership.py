@@ -104,7 +104,7 @@ def _open_store(spec: GroupSpec, secret: str | bytes | None, who: str, timeout: 
     """NOTE [Who hosts the store]."""
     if spec.file_path is not None:
         return file_store(spec.file_path, -1, timeout), None
-    store = default_group_store(spec.master_addr, spec.master_port, timeout) if torch_pg_initialized() else None
+    store = default_group_store(spec.master_addr, spec.master_port, timeout, spec.explicit) if torch_pg_initialized() else None
     if store is not None:
         return store, None
     if os.environ.get("RREFRT_STORE_HOSTED") != "1":

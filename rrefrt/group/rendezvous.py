@@ -73,9 +73,10 @@ from urllib.parse import unquote, urlparse
 import msgpack
 
 from rrefrt.group.environment import EnvError, resolve_env
+from rrefrt import userlog
 from rrefrt.payload import torchimport
 from rrefrt.errors import AuthenticationError, RpcError, ShutdownError
-from rrefrt.group.store import PortInUseError, StoreAuthError, StoreClient, StoreClosed, StoreError, StoreServer
+from rrefrt.group.store import PortInUseError, StoreAuthError, StoreClient, StoreClosed, StoreError, StoreServer, StoreTimeout
 from rrefrt.group.torch_store import TorchStore, agent_store, default_group_store, file_store
 
 log = logging.getLogger("rrefrt.rendezvous")
@@ -92,6 +93,10 @@ _LINGER_S = 10.0
 _CLOSE_S = 3.0
 #: how long a worker with an invalid rank tries to reach the store to report it
 _INVALID_REACH_S = 10.0
+#: a join that waits says so (a warning naming the awaited ranks and the address) after
+#: this long, and again every _PROGRESS_EVERY_S, until init_timeout
+_PROGRESS_FIRST_S = 5.0
+_PROGRESS_EVERY_S = 30.0
 
 Dead = Union[Iterable[int], Callable[[], Iterable[int]]]
 
@@ -142,6 +147,9 @@ class GroupSpec:
     world_size: int
     #: init_method="file://<path>": the rendezvous goes through torch's FileStore there
     file_path: str | None = None
+    #: the address came from init_method="tcp://..." (not the environment): a process
+    #: group's store elsewhere is not shared (torch_store.default_group_store)
+    explicit: bool = False
 
 
 def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
@@ -150,11 +158,13 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
     rendezvous (so that the other workers learn it too), not here."""
     env = resolve_env(os.environ, check_rank=False)
     file_path = None
+    explicit = False
     if init_method.startswith("tcp://"):
         url = urlparse(init_method)
         if not url.hostname or not url.port:
             raise EnvError(f"init_method {init_method!r} must be tcp://host:port")
         addr, port = url.hostname, url.port
+        explicit = True
     elif init_method.startswith("file://"):
         file_path = unquote(urlparse(init_method).path)
         if not file_path:
@@ -179,11 +189,11 @@ def resolve(init_method: str, rank: int, world_size: int | None) -> GroupSpec:
         rank = int(env["RANK"])
     if world_size is None:
         if "WORLD_SIZE" not in env:  # a dynamic group (rrefrt/group/membership.py): world_size 0
-            return GroupSpec(addr, port, rank, DYNAMIC, file_path)
+            return GroupSpec(addr, port, rank, DYNAMIC, file_path, explicit)
         world_size = int(env["WORLD_SIZE"])
     if world_size < 1 or rank < 0:
         raise EnvError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
-    return GroupSpec(addr, port, rank, world_size, file_path)
+    return GroupSpec(addr, port, rank, world_size, file_path, explicit)
 
 
 def bind_host(master_addr: str) -> str:
@@ -248,6 +258,9 @@ class Rendezvous:
         self._rank0_store = False
         #: the join failed on a conflict (an abort): the host waits for late workers
         self._conflict = False
+        #: when a waiting join next reports who it waits for (_report_waiting)
+        self._next_report: float | None = None
+        self._join_start = 0.0
         self.store: Any = None
         valid = 0 <= spec.rank < spec.world_size
         try:
@@ -276,8 +289,8 @@ class Rendezvous:
         spec, env = self.spec, os.environ
         if spec.file_path is not None:
             return file_store(spec.file_path, spec.world_size, timeout)
-        if torch_pg_initialized():  # torch's process group holds MASTER_PORT: share its store
-            store = default_group_store(spec.master_addr, spec.master_port, timeout)
+        if torch_pg_initialized():  # torch's process group serves this address: share its store
+            store = default_group_store(spec.master_addr, spec.master_port, timeout, spec.explicit)
             if store is not None:
                 return store
         if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
@@ -301,6 +314,7 @@ class Rendezvous:
                 return self._probe_occupied(e)
         else:
             self._may_reconnect = True
+            return self._connect(timeout)
         return StoreClient(spec.master_addr, spec.master_port, timeout, self._secret, identity=self._me)
 
     def _host_store(self) -> StoreServer:
@@ -317,6 +331,32 @@ class Rendezvous:
         for t in mine:
             t.join(max(0.0, deadline - time.monotonic()))
         return bool(mine)
+
+    def _connect(self, timeout: float) -> StoreClient:
+        """A client of the store rank 0 hosts, trying for ``timeout``; while it cannot
+        connect it warns after _PROGRESS_FIRST_S and every _PROGRESS_EVERY_S."""
+        spec = self.spec
+        start = time.monotonic()
+        deadline = start + timeout
+        step = _PROGRESS_FIRST_S
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return StoreClient(spec.master_addr, spec.master_port, max(0.0, min(step, left)), self._secret,
+                                   identity=self._me)
+            except StoreTimeout as e:
+                if time.monotonic() >= deadline:
+                    raise StoreTimeout(
+                        f"{self._me} could not reach the rendezvous store at {spec.master_addr}:{spec.master_port} "
+                        f"within {timeout:.1f}s (init_timeout); rank 0 hosts it: is rank 0 running, with this "
+                        f"init_method? ({e})"
+                    ) from None
+                userlog.warn(
+                    log, "%s has waited %.0f s for the rendezvous store at %s:%d, which rank 0 hosts (is rank 0 running, "
+                    "with the same init_method?); it gives up in %.0f s (init_timeout)",
+                    self._me, time.monotonic() - start, spec.master_addr, spec.master_port,
+                    max(0.0, deadline - time.monotonic()))
+                step = _PROGRESS_EVERY_S
 
     def _probe_occupied(self, err: PortInUseError) -> StoreClient:
         """Rank 0 could not bind: if an rrefrt store holds the port (another rank 0, of this
@@ -548,10 +588,31 @@ class Rendezvous:
             if conflicts:
                 self._check_conflicts()
                 self._check_auth_failures()
+                self._report_waiting(pending, deadline)
             left = deadline - time.monotonic()
             if left <= 0:
                 return pending
             self.store.wait([self.key(pending[0])], min(left, 0.2))
+
+    def _report_waiting(self, pending: list[str], deadline: float) -> None:
+        """A join still waiting: warn which ranks are awaited at which address (first after
+        _PROGRESS_FIRST_S, then every _PROGRESS_EVERY_S), so a group that cannot form says
+        so long before init_timeout."""
+        now = time.monotonic()
+        if self._next_report is None:
+            self._next_report = now + _PROGRESS_FIRST_S
+            self._join_start = now
+        if now < self._next_report:
+            return
+        self._next_report = now + _PROGRESS_EVERY_S
+        spec = self.spec
+        where = spec.file_path or f"{spec.master_addr}:{spec.master_port}"
+        kind = "the process group's store" if isinstance(self.store, TorchStore) else "the rendezvous store"
+        ranks = ", ".join(k.rsplit("/", 1)[1] for k in pending)
+        userlog.warn(
+            log, "%s has waited %.0f s at %s (%s) for rank(s) %s to join (world_size=%d); it gives up in %.0f s "
+            "(init_timeout). Every worker must use the same init_method (or MASTER_ADDR/MASTER_PORT)",
+            self._me, now - self._join_start, where, kind, ranks, spec.world_size, max(0.0, deadline - now))
 
     def barrier(self, phase: str, rank: int, world_size: int, deadline: float, dead: Dead) -> list[int]:
         """Arrive at ``phase``; wait (bounded) for every rank not dead. ``dead`` is a set of
@@ -565,7 +626,15 @@ class Rendezvous:
                 store.answer_timeout = max(answer, deadline - time.monotonic())
             store.set(self.key(f"barrier/{phase}/{rank}"), b"1")
             keys = [f"barrier/{phase}/{r}" for r in range(world_size)]
-            missing = self._wait_keys(keys, deadline, dead)
+
+            def gone() -> set[int]:
+                # a worker that gave up its shutdown (it arrived at "failed") and closed is not
+                # a death that completes the barrier: it stays missing, and this shutdown
+                # reports it instead of completing without it
+                ranks = set(dead() if callable(dead) else dead)
+                return {r for r in ranks if not store.check([self.key(f"barrier/failed/{r}")])}
+
+            missing = self._wait_keys(keys, deadline, gone)
         except StoreError as e:
             raise self._barrier_failed(phase, e) from None
         finally:

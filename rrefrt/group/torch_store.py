@@ -10,6 +10,9 @@ when one of them is called; imports from rrefrt: errors, store, torchimport
 from __future__ import annotations
 
 import logging
+import socket
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +24,9 @@ log = logging.getLogger("rrefrt.rendezvous")
 
 #: every rrefrt key in a store shared with torch lives under this prefix
 PREFIX = "rrefrt/"
+
+#: never set: TorchStore.wait's pause between two checks
+_PACE = threading.Event()
 
 
 class TorchStore:
@@ -51,11 +57,19 @@ class TorchStore:
             raise StoreError(f"torch store failed: {e}") from None
 
     def wait(self, keys: list[str], timeout: float) -> bool:
-        try:
-            self._s.wait(keys, timedelta(seconds=max(timeout, 0.001)))
-            return True
-        except Exception:
-            return False
+        """Poll with ``check`` (a few ms apart, 50 ms at most): torch's own ``wait`` logs two
+        c10d warnings ("waitForInput ... timed out") each time a short wait runs out, and the
+        rendezvous waits in short steps."""
+        deadline = time.monotonic() + timeout
+        pause = 0.002
+        while True:
+            if self.check(keys):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _PACE.wait(min(pause, left))  # paces the poll; nothing sets it
+            pause = min(pause * 2, 0.05)
 
     def check(self, keys: list[str]) -> bool:
         try:
@@ -77,10 +91,44 @@ def agent_store(host: str, port: int, timeout: float) -> TorchStore:
     return TorchStore(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), use_libuv=True))
 
 
-def default_group_store(host: str, port: int, timeout: float) -> TorchStore | None:
-    """The store of torch's initialised default process group (as torch RPC does when a
-    program calls init_process_group on the same MASTER_PORT first), under ``rrefrt/``;
-    None if it cannot be had."""
+def group_store_address(store: Any) -> tuple[str, int] | None:
+    """(host, port) of the TCPStore under a process group's store (through its
+    PrefixStores); None for another kind of store (FileStore, HashStore) or an unknown shape."""
+    for _ in range(8):
+        inner = getattr(store, "_underlying_non_prefix_store", None) or getattr(store, "underlying_store", None)
+        if inner is None or inner is store:
+            break
+        store = inner
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if isinstance(host, str) and isinstance(port, int):
+        return host, port
+    return None
+
+
+def same_address(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Two host:port pairs name one endpoint ("localhost" and "127.0.0.1" alike)."""
+    if a[1] != b[1]:
+        return False
+    if a[0] == b[0]:
+        return True
+    try:
+        resolve = lambda h: {i[4][0] for i in socket.getaddrinfo(h, None, socket.AF_INET)}  # noqa: E731
+        return bool(resolve(a[0]) & resolve(b[0]))
+    except OSError:
+        return False
+
+
+def default_group_store(host: str, port: int, timeout: float, explicit: bool = False) -> TorchStore | None:
+    """The store of torch's initialised default process group, under ``rrefrt/``, when it
+    serves the rendezvous's address (torch RPC shares it the same way: its TCPStore is
+    multi-tenant on one port); None when it cannot be had or serves another address.
+
+    Which address counts: with ``explicit`` (init_method="tcp://host:port") the group's
+    store must be a TCPStore at that address; with env:// a TCPStore at another address is
+    not shared either, and a store of another kind (a FileStore) is. A program that gives
+    its process group one port and RPC another (DDP trainers beside an RPC master and
+    parameter server, which have no process group) must rendezvous on RPC's own port, or
+    nobody would host the store the others wait for."""
     dist = torchimport.import_module("torch.distributed")
     store = None
     try:
@@ -93,6 +141,11 @@ def default_group_store(host: str, port: int, timeout: float) -> TorchStore | No
             store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
         except Exception:
             return None
+    where = group_store_address(store)
+    if (where is None and explicit) or (where is not None and not same_address(where, (host, port))):
+        log.debug("the process group's store (%s) is not the rendezvous at %s:%d: not shared",
+                  f"{where[0]}:{where[1]}" if where else "not a TCPStore", host, port)
+        return None
     return TorchStore(dist.PrefixStore(PREFIX, store))
 
 

@@ -13,6 +13,9 @@ rrefrt/payload/buffers.py's business: the pickler hands each strided tensor to
 ``buffers.reduce_tensor(tensor, route)``, where ``route`` (an argument of ``dumps``, never
 thread-local state) names the destination and the device map for this direction.
 
+An object whose class defines ``_rrefrt_rpc_reduce(self) -> (callable, args)`` is reduced
+by it inside a payload (and may refuse plain pickling): rrefrt.nn.RemoteModule.
+
 An RRef inside a payload is reduced to ``_load_rref(i)``: its fork data goes into the
 header's fork list at index ``i`` (created through the ``fork`` hook, so the protocol
 registers it), and the receiver turns each entry into an RRef object *before* unpickling,
@@ -101,6 +104,9 @@ class _Pickler(pickle.Pickler):
             return (_load_rref, (len(self.forks) - 1,))
         if type(obj) in _tensor_types and obj.layout == self._torch.strided and not obj.is_quantized:
             return buffers.reduce_tensor(obj, self._route)
+        rpc_reduce = getattr(type(obj), "_rrefrt_rpc_reduce", None)
+        if rpc_reduce is not None:  # an object that travels only inside rrefrt calls (RemoteModule)
+            return rpc_reduce(obj)
         return NotImplemented
 
 
@@ -215,6 +221,10 @@ def _as_buffer(frame: Any) -> Any:
 
 def _describe(obj: Any) -> str:
     if isinstance(obj, tuple) and len(obj) == 3 and callable(obj[0]):
+        script = getattr(obj[0], "qualified_name", None)  # a TorchScript function (or its profiled call)
+        if isinstance(script, str):
+            return (f"the call to the TorchScript function {script!r} (rrefrt runs Python functions, not "
+                    "TorchScript: send the Python function instead)")
         name = getattr(obj[0], "__qualname__", repr(obj[0]))
         return f"the call to {name!r} (function, args or kwargs)"
     return f"an object of type {type(obj).__name__}"

@@ -112,6 +112,7 @@ class RRefContext(ContextAudit, ContextDrops):
     def new_remote_user(self, owner: int, type_name: str = "object", timeout: float = 0.0) -> UserRecord:
         """remote() to another worker: a pending user whose fork id is the RRef id."""
         rid = self.ids.new()
+        self.ids.new()  # the id torch gives this user's fork: str(rref) numbers ids as torch does (RRef.__str__)
         rec = UserRecord(rid, rid, owner, parent=owner, type_name=type_name)
         if timeout > 0:
             rec.creation_deadline = time.monotonic() + timeout

@@ -20,6 +20,12 @@ class GloballyUniqueId(NamedTuple):
     def __str__(self) -> str:
         return f"{self.worker}:{self.local}"
 
+    def torch_str(self) -> str:
+        """torch's text for this id, ``GloballyUniqueId(created_on=<worker>, local_id=<n>)``,
+        for ``str(rref)`` and the errors torch programs match on. torch numbers from 0,
+        rrefrt from 1: the same id is one lower here."""
+        return f"GloballyUniqueId(created_on={self.worker}, local_id={self.local - 1})"
+
     def to_wire(self) -> list[int]:
         return [self.worker, self.local]
 

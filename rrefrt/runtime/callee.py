@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import rrefrt_transport as transport
 from rrefrt.payload import serialization as ser
-from rrefrt import state
+from rrefrt import state, userlog
 from rrefrt.payload.devices import NO_SCOPE
 from rrefrt.errors import RemoteSerializationError, SerializationError, ShutdownError
 from rrefrt.functions import is_async_execution, when_future_done
@@ -46,6 +46,9 @@ from rrefrt.runtime.replies import Replies
 from rrefrt.runtime.inflight import TAG_MASK, WAITING, creation_key
 
 log = logging.getLogger("rrefrt")
+#: a user function's exception, reported on the worker that ran it (rrefrt/userlog.py);
+#: ``logging.getLogger("rrefrt.callee").setLevel(logging.ERROR)`` silences it
+_user_log = logging.getLogger("rrefrt.callee")
 
 #: how many recent PYTHON_CALL ids per peer are remembered to drop duplicates
 SEEN_CALLS = 65536
@@ -213,6 +216,10 @@ class Callee:
         try:
             result = func(*args, **kwargs)
         except BaseException as e:
+            if isinstance(e, Exception):  # the caller gets it; this worker's log says so too (torch does)
+                userlog.warn(_user_log, "On worker %r: %s raised %r\n%s", self.rt.info.name,
+                             getattr(func, "__qualname__", type(func).__name__), e,
+                             "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip())
             done(None, e)
             return
         if is_async_execution(func):

@@ -80,6 +80,8 @@ class WorkerCore:
         self.closed = False
         #: (rendezvous, world_size) of the group, set by init_rpc (None in unit tests)
         self.group: Any = None
+        #: how many api._wait_all_workers barriers this worker has entered (each one's phase name)
+        self.user_barriers = 0
         #: the validated device plan (routes per peer, the call scope), set by init_rpc after
         #: the rendezvous; None until then (and in unit tests: CPU tensors, no maps)
         self.devices: DevicePlan | None = None

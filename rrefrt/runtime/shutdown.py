@@ -134,6 +134,10 @@ def _graceful_steps(rt: Runtime, rdzv: Barriers, world_size: int, deadline: floa
         missing = rdzv.barrier("enter", me, world_size, deadline, dead)
         if missing:
             rt.accepting = False
+            try:  # NOTE in Rendezvous.barrier: the others must not take this exit for a death
+                rdzv.arrive("failed", me)
+            except Exception:
+                pass
             return ShutdownError(
                 f"shutdown of {rt.info.name!r}: worker(s) {names(missing)} never reached shutdown within the timeout"
             )
@@ -158,6 +162,11 @@ def _graceful_steps(rt: Runtime, rdzv: Barriers, world_size: int, deadline: floa
             error = ShutdownError(
                 f"shutdown of {rt.info.name!r}: calls in flight (run here for live peers, or sent from here) "
                 "had not finished at the timeout - a handler that never returns? They were abandoned"
+            )
+        elif time.monotonic() > deadline:  # every step found its condition met, but too late
+            error = ShutdownError(
+                f"shutdown of {rt.info.name!r} did not complete within its timeout: its steps ended "
+                f"{time.monotonic() - deadline:.3f}s past the deadline (raise the timeout, or shutdown_timeout)"
             )
         phase[0] = "leave barrier"
         if rdzv.server is not None:  # rank 0 hosts the store: it leaves last

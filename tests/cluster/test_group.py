@@ -175,3 +175,44 @@ def test_launcher_device_assignment_becomes_the_devices_option(monkeypatch):
         assert opts.devices == []
     finally:
         rrefrt.shutdown()
+
+
+def test_worker_names_follow_torchs_rule_with_its_text():
+    from rrefrt.options import WorkerInfo
+
+    assert WorkerInfo("trainer-1:gpu_0", 3).name == "trainer-1:gpu_0"
+    for bad, phrase in (("abc*", "Worker name must match"), (" ", "Worker name must match"),
+                        ("", "must be non-empty"), ("a" * 128, "shorter than 128")):
+        with pytest.raises(RuntimeError, match=phrase):
+            WorkerInfo(bad, 0)
+        with pytest.raises(RuntimeError, match=phrase):
+            rrefrt.init_rpc(bad, rank=0, world_size=1)
+
+
+def test_options_of_another_backend_are_a_type_error_with_torchs_text():
+    class FooBackendOptions(rrefrt.RpcBackendOptions):
+        pass
+
+    with pytest.raises(TypeError, match="Could not infer backend for options"):
+        rrefrt.init_rpc("w0", rank=0, world_size=1, rpc_backend_options=FooBackendOptions())
+    with pytest.raises(TypeError, match="`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`"):
+        rrefrt.init_rpc("w0", backend=rrefrt.BackendType.TENSORPIPE, rank=0, world_size=1,
+                        rpc_backend_options=FooBackendOptions())
+
+
+def test_torchs_private_helpers_that_programs_call():
+    port = free_port()
+    rrefrt.init_rpc("w0", rank=0, world_size=1,
+                    rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))
+    try:
+        rrefrt._set_rpc_timeout(7.5)
+        assert rrefrt.get_rpc_timeout() == 7.5
+        assert rrefrt._get_current_rpc_agent().get_worker_infos() == [rrefrt.WorkerInfo("w0", 0)]
+        assert rrefrt._get_current_rpc_agent().get_worker_info().name == "w0"
+        assert rrefrt._get_debug_info()["num_owner_rrefs"] == 0
+        rrefrt.api._wait_all_workers(5.0)
+        rrefrt.api._wait_all_workers(5.0)  # twice: each call is a barrier of its own
+        with pytest.raises(ValueError):
+            rrefrt._set_rpc_timeout(-1)
+    finally:
+        rrefrt.shutdown()

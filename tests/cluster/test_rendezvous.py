@@ -401,6 +401,9 @@ def test_shares_master_port_with_a_gloo_process_group(procs):
     for code, res, out in outs:
         assert code == 0 and res is not None, out
         assert res["rpc"] == res["rank"] + 10 and res["allreduce"] == [3.0, 3.0], out
+        # the shared torch store is polled with check(): c10d's wait would log two
+        # "waitForInput ... timed out" warnings per 200 ms poll
+        assert "waitForInput" not in out, out
 
 
 def test_file_init(procs, tmp_path):

@@ -1,14 +1,16 @@
-"""torch's own RPC tests run against rrefrt: rpc_test.py (RpcTest, TensorPipeAgentRpcTest),
-dist_autograd_test.py (DistAutogradTest, TensorPipeAgentDistAutogradTest) and
-dist_optimizer_test.py (DistOptimizerTest).
+"""torch's own tests run against rrefrt: rpc_test.py (RpcTest, TensorPipeAgentRpcTest),
+dist_autograd_test.py (DistAutogradTest, TensorPipeAgentDistAutogradTest),
+dist_optimizer_test.py (DistOptimizerTest) and nn/api/remote_module_test.py
+(RemoteModuleTest, ThreeWorkersRemoteModuleTest, CudaRemoteModuleTest).
 
-The suites ship with the installed torch (torch/testing/_internal/distributed/rpc/); nothing
-is copied. tests/torch_compat/alias.py points the public names of torch.distributed.rpc,
-torch.distributed.autograd and DistributedOptimizer at rrefrt's, tests/torch_compat/suite.py
-builds the test classes with an rrefrt agent fixture (world size 4, CPU, tcp:// rendezvous),
-and every test method runs in 4 worker processes as in torch's harness.
+The suites ship with the installed torch (torch/testing/_internal/distributed/); nothing is
+copied. tests/torch_compat/alias.py points the public names of torch.distributed.rpc,
+torch.distributed.autograd, DistributedOptimizer and RemoteModule at rrefrt's,
+tests/torch_compat/suite.py builds the test classes with an rrefrt agent fixture (world size
+4 - 2 or 3 for RemoteModule - CPU, tcp:// rendezvous), and every test method runs in its own
+worker processes as in torch's harness.
 
-What runs here (CI: about 40 s on 2 idle cores): ``CI_PASSING``, a chosen set of tests
+What runs here (CI: about a minute on 2 cores): ``CI_PASSING``, a chosen set of tests
 that pass today, and ``CI_EXPECTED_TO_DIFFER``, a few tests of causes other engineers are fixing, as
 non-strict xfails with their reason - when a fix lands they XPASS, and the entry moves to
 CI_PASSING. All of it runs in one subprocess (a clean parent to fork the workers from),

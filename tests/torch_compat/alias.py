@@ -12,9 +12,17 @@ and the introspection helpers ``_current_context``, ``_retrieve_context``, ...: 
 at ``rrefrt.autograd`` and ``torch.distributed.optim.DistributedOptimizer`` at
 ``rrefrt.optim``'s, so that torch's DistAutogradTest and DistOptimizerTest run on rrefrt.
 
-What the alias does not cover, on purpose: torch's private RPC helpers (``rpc.api._...``,
-``rpc._get_current_rpc_agent``, ``rpc.internal``), the TensorPipe agent and the server-side
-profiler. Tests that reach for those keep talking to torch's own (uninitialised) RPC
+It also points ``torch.distributed.nn.RemoteModule`` at ``rrefrt.nn.RemoteModule`` (torch's
+RemoteModule tests import it by name). torch's private ``_RemoteModule`` (the TorchScript
+variant, ``_module_interface_cls``) stays torch's.
+
+It also sets the private helpers rrefrt provides with torch's meaning (``PRIVATE_NAMES``:
+``_set_rpc_timeout``, ``_get_debug_info``, ``_get_current_rpc_agent`` - on the module and on
+its ``api`` submodule - and ``api._wait_all_workers``).
+
+What the alias does not cover, on purpose: torch's other private helpers (``rpc.api._all_gather``,
+``rpc.api._barrier``, ``rpc.internal``, ``rpc.backend_registry``), the TensorPipe agent and the
+server-side profiler. Tests that reach for those keep talking to torch's own (uninitialised) RPC
 runtime and are listed in docs/compatibility.md as expected to differ.
 
 One private helper is adapted rather than left alone: ``_rref_context_get_debug_info``. The
@@ -59,6 +67,15 @@ AUTOGRAD_NAMES: tuple[str, ...] = (
     "DistAutogradContext",
 )
 
+#: torch's private helpers that torch programs call and rrefrt provides (same meaning),
+#: set on ``torch.distributed.rpc`` and, where torch has them there, on its ``api`` module;
+#: ``rpc.api._wait_all_workers`` is rrefrt.api's too
+PRIVATE_NAMES: dict[str, str] = {
+    "_set_rpc_timeout": "_set_rpc_timeout",
+    "_get_debug_info": "_get_debug_info",
+    "_get_current_rpc_agent": "_get_current_rpc_agent",
+}
+
 _installed = False
 
 
@@ -96,4 +113,20 @@ def install() -> None:
         if hasattr(rrefrt.autograd, name):
             setattr(tdist_autograd, name, getattr(rrefrt.autograd, name))
     toptim.DistributedOptimizer = rrefrt.optim.DistributedOptimizer  # type: ignore[misc]
+    # torch's private helpers that rrefrt provides with the same meaning (rrefrt/api.py)
+    import torch.distributed.rpc.api as tapi
+
+    for torch_name, ours in PRIVATE_NAMES.items():
+        setattr(trpc, torch_name, getattr(rrefrt, ours))
+        if hasattr(tapi, torch_name):
+            setattr(tapi, torch_name, getattr(rrefrt, ours))
+    tapi._wait_all_workers = rrefrt.api._wait_all_workers  # type: ignore[attr-defined]
+    # torch.distributed.nn's RemoteModule (remote_module_test imports it by name)
+    import torch.distributed.nn as tnn
+    import torch.distributed.nn.api.remote_module as tremote_module
+
+    from rrefrt.nn import RemoteModule
+
+    tnn.RemoteModule = RemoteModule  # type: ignore[attr-defined]
+    tremote_module.RemoteModule = RemoteModule  # type: ignore[attr-defined,misc]
     _installed = True

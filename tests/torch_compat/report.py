@@ -18,6 +18,14 @@ import sys
 from tests.torch_compat.expected import CAUSES, CI_EXPECTED_TO_DIFFER, CI_PASSING, EXPECTED_TO_DIFFER
 
 
+#: test class -> the family the docs count it in (tests/torch_compat/suite.py FAMILIES)
+FAMILY_OF = {
+    "RpcTest": "RpcTest", "TensorPipeAgentRpcTest": "RpcTest",
+    "RemoteModuleTest": "RemoteModuleTest", "ThreeWorkersRemoteModuleTest": "RemoteModuleTest",
+    "CudaRemoteModuleTest": "RemoteModuleTest",
+}
+
+
 def main(paths: list[str]) -> int:
     records = {}
     for path in paths:
@@ -29,6 +37,16 @@ def main(paths: list[str]) -> int:
     passed = by_status["pass"]
     failed = len(records) - passed - by_status["skip"]
     print(f"{len(records)} tests: {passed} pass, {failed} fail, {by_status['skip']} skip.\n")
+    families: dict[str, list[dict]] = collections.defaultdict(list)
+    for r in records.values():
+        families[FAMILY_OF.get(r["cls"], r["cls"])].append(r)
+    if len(families) > 1:
+        print("| family | tests | pass | fail | skip |")
+        print("| --- | --- | --- | --- | --- |")
+        for fam, rs in sorted(families.items()):
+            c = collections.Counter({"error": "fail"}.get(r["status"], r["status"]) for r in rs)
+            print(f"| {fam} | {len(rs)} | {c['pass']} | {c['fail']} | {c['skip']} |")
+        print()
     by_cause = collections.Counter()
     for name, r in records.items():
         if r["status"] in ("fail", "error"):
@@ -44,7 +62,8 @@ def main(paths: list[str]) -> int:
         for name in sorted(records):
             r = records[name]
             if r["status"] in ("fail", "error") and EXPECTED_TO_DIFFER.get(name, ("unclassified", ""))[0] == cause:
-                short = name.replace("TensorPipeAgentRpcTest.", "TP.").replace("RpcTest.", "")
+                short = name.replace("TensorPipeAgentRpcTest.", "TP.")
+                short = short if "RemoteModuleTest." in short else short.replace("RpcTest.", "")
                 reasons[EXPECTED_TO_DIFFER.get(name, ("", "no entry in expected.py"))[1]].append(f"`{short}`")
         for why, names in reasons.items():
             print(f"- {why}: {', '.join(names)}")

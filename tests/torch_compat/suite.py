@@ -1,12 +1,14 @@
-"""torch's RPC test classes, pointed at rrefrt: RpcTest and TensorPipeAgentRpcTest
-(rpc_test.py), DistAutogradTest and TensorPipeAgentDistAutogradTest (dist_autograd_test.py),
-DistOptimizerTest (dist_optimizer_test.py).
+"""torch's RPC, distributed-autograd, optimizer and RemoteModule test classes, pointed at
+rrefrt: RpcTest and TensorPipeAgentRpcTest (rpc_test.py), DistAutogradTest and
+TensorPipeAgentDistAutogradTest (dist_autograd_test.py), DistOptimizerTest
+(dist_optimizer_test.py), RemoteModuleTest, ThreeWorkersRemoteModuleTest and
+CudaRemoteModuleTest (nn/api/remote_module_test.py).
 
 Importing this module installs the alias (tests/torch_compat/alias.py) and then imports
-``rpc_test``, ``dist_autograd_test`` and ``dist_optimizer_test`` from
-``torch.testing._internal.distributed.rpc`` in the installed torch (nothing is copied). It builds the test classes the way torch's ``rpc_utils.generate_tests`` does:
+those modules from ``torch.testing._internal.distributed`` in the installed torch (nothing
+is copied). It builds the test classes the way torch's ``rpc_utils.generate_tests`` does:
 the generic suite, an agent fixture, and ``SpawnHelper`` (torch's ``MultiProcessTestCase``:
-each test method runs in 4 fresh worker processes, forked by default - see START_METHOD).
+each test method runs in 4 fresh worker processes (2 or 3 for the RemoteModule classes), forked by default - see START_METHOD).
 The classes live here, at module level, because spawned workers find their class by
 ``__module__`` and import this module - which installs the alias in them before the suite
 is imported; forked workers inherit the alias.
@@ -41,6 +43,7 @@ from torch.testing._internal.distributed.rpc import (  # noqa: E402
     dist_optimizer_test,
     rpc_test,
 )
+from torch.testing._internal.distributed.nn.api import remote_module_test  # noqa: E402
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import (  # noqa: E402
     RpcAgentTestFixture,
 )
@@ -52,6 +55,14 @@ from torch.testing._internal.common_utils import find_free_port  # noqa: E402
 #: the suite and the alias, so a test starts in about a second instead of re-importing
 #: torch four times) or "spawn" (what torch's own harness uses; set RREFRT_COMPAT_START).
 START_METHOD = os.environ.get("RREFRT_COMPAT_START", "fork")
+
+#: RREFRT_COMPAT_DUMP=<seconds>: every process that imports this module (the runner and
+#: each worker) prints all its threads' stacks to stderr after that long, to see where a
+#: test that runs into the harness's limit waits
+if os.environ.get("RREFRT_COMPAT_DUMP"):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["RREFRT_COMPAT_DUMP"]), exit=False)
 
 
 class SpawnHelper(MultiProcessTestCase):
@@ -115,12 +126,36 @@ class RrefrtDistOptimizerTest(dist_optimizer_test.DistOptimizerTest, RrefrtAgent
     pass
 
 
+class RrefrtRemoteModuleTest(remote_module_test.RemoteModuleTest, RrefrtAgentFixture, SpawnHelper):
+    pass
+
+
+class RrefrtThreeWorkersRemoteModuleTest(remote_module_test.ThreeWorkersRemoteModuleTest, RrefrtAgentFixture, SpawnHelper):
+    pass
+
+
+class RrefrtCudaRemoteModuleTest(remote_module_test.CudaRemoteModuleTest, RrefrtAgentFixture, SpawnHelper):
+    pass
+
+
 CLASSES: dict[str, type[unittest.TestCase]] = {
     "RpcTest": RrefrtRpcTest,
     "TensorPipeAgentRpcTest": RrefrtTensorPipeAgentRpcTest,
     "DistAutogradTest": RrefrtDistAutogradTest,
     "TensorPipeAgentDistAutogradTest": RrefrtTensorPipeAgentDistAutogradTest,
     "DistOptimizerTest": RrefrtDistOptimizerTest,
+    "RemoteModuleTest": RrefrtRemoteModuleTest,
+    "ThreeWorkersRemoteModuleTest": RrefrtThreeWorkersRemoteModuleTest,
+    "CudaRemoteModuleTest": RrefrtCudaRemoteModuleTest,
+}
+
+#: the families run_all and the docs count together (torch's RemoteModuleTest family is the
+#: three RemoteModule classes of remote_module_test.py: world size 2, 3 and the CUDA tests)
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "RpcTest": ("RpcTest", "TensorPipeAgentRpcTest"),
+    "DistAutogradTest": ("DistAutogradTest", "TensorPipeAgentDistAutogradTest"),
+    "DistOptimizerTest": ("DistOptimizerTest",),
+    "RemoteModuleTest": ("RemoteModuleTest", "ThreeWorkersRemoteModuleTest", "CudaRemoteModuleTest"),
 }
 
 

@@ -397,3 +397,16 @@ def test_subclasses_of_atoms_still_go_through_the_pickler(monkeypatch):
     monkeypatch.setattr(ser, "_Pickler", lambda *a, **k: seen.append(1) or real(*a, **k))
     frames, _ = ser.dumps(Tag(3))
     assert seen == [1] and pickle.loads(frames[0]) == 3
+
+
+def test_a_torchscript_function_is_refused_at_the_call_site_by_its_name():
+    torch = pytest.importorskip("torch")
+    from rrefrt.payload import serialization as ser_mod
+    from rrefrt.errors import SerializationError as SerErr
+
+    @torch.jit.script
+    def scripted_add_one(t: torch.Tensor) -> torch.Tensor:
+        return t + 1
+
+    with pytest.raises(SerErr, match="TorchScript function '__torch__.*scripted_add_one'"):
+        ser_mod.dumps((scripted_add_one, (torch.ones(1),), {}))
