@@ -217,8 +217,10 @@ class Callee:
             result = func(*args, **kwargs)
         except BaseException as e:
             if isinstance(e, Exception):  # the caller gets it; this worker's log says so too (torch does)
-                userlog.warn(_user_log, "On worker %r: %s raised %r\n%s", self.rt.info.name,
-                             getattr(func, "__qualname__", type(func).__name__), e,
+                # texts only: a log record that held ``e`` would keep its frames, and the RRef
+                # arguments in them, alive for as long as a handler keeps records (NOTE [Error frames])
+                userlog.warn(_user_log, "On worker %r: %s raised %s\n%s", self.core.info.name,
+                             getattr(func, "__qualname__", type(func).__name__), repr(e),
                              "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip())
             done(None, e)
             return

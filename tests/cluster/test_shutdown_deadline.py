@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from rrefrt.errors import ShutdownError
-from rrefrt.runtime.lifecycle import _graceful
+from rrefrt.runtime.shutdown import _graceful
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -36,8 +36,9 @@ class _Rendezvous:
 def _runtime() -> SimpleNamespace:
     return SimpleNamespace(
         info=SimpleNamespace(id=1, name="w1"), transport=SimpleNamespace(dead_peers=set), workers_by_id={},
-        accepting=True, wait_idle=lambda deadline: True, release_rrefs=lambda deadline: [],
+        accepting=True, lifecycle=SimpleNamespace(wait_idle=lambda deadline: True, release_rrefs=lambda deadline: []),
         ctx=SimpleNamespace(leaks=list), options=SimpleNamespace(strict_rref_leaks=False),
+        inflight=SimpleNamespace(incoming={}, outgoing={}),
     )
 
 
