@@ -3,7 +3,7 @@
 Owns: the arrival of PYTHON_CALL and PYTHON_REMOTE (deduplication, hand-off to the user
 pool), the execution of user functions (plain, ``@async_execution``, ``async def`` on the
 event loop thread), replies and acknowledgements, and serving fetches (pickling a value).
-Imports from rrefrt: errors, messages, rref_context, serialization.
+Imports from rrefrt: errors, messages, recent, rref_context, serialization.
 
 Threads: ``on_python_call`` / ``on_remote_request`` / ``on_fetch`` run on the transport
 thread and never unpickle; ``run_call`` runs on the user pool, or on the same-host
@@ -17,7 +17,6 @@ functions on the event loop thread.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import inspect
 import logging
@@ -34,11 +33,14 @@ from .errors import RemoteSerializationError, SerializationError, ShutdownError
 from .functions import is_async_execution, when_future_done
 from .pool import InlineWaits, PoolExhaustedError, acting_as
 from .messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, Response, ServeFetch
+from .recent import RecentIds
 from .rref_context import FAILED, READY, OwnerRecord
 
 log = logging.getLogger("rrefrt")
 
-#: how many recent PYTHON_CALL ids per peer are remembered to drop duplicates
+#: at most this many PYTHON_CALL ids per peer are remembered to drop duplicates, each for
+#: ``recent.HORIZON_S`` at least or half this many later calls (NOTE [Bounded memory of
+#: finished things] in rrefrt/recent.py)
 SEEN_CALLS = 65536
 
 #: a fetched str/bytes value up to this size is pickled on the thread that read the fetch
@@ -53,8 +55,8 @@ Done = Callable[[Any, "BaseException | None"], None]
 class Callee:
     def __init__(self, rt: Any) -> None:
         self.rt = rt
-        #: src -> (ids, order): recent PYTHON_CALL ids per peer, to drop duplicates (transport thread)
-        self._seen_calls: dict[int, tuple[set[int], collections.deque]] = {}
+        #: src -> recent PYTHON_CALL ids of that peer, to drop duplicates (transport thread)
+        self._seen_calls: dict[int, RecentIds] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
@@ -123,14 +125,10 @@ class Callee:
         """A PYTHON_CALL delivered twice must not run twice."""
         seen = self._seen_calls.get(src)
         if seen is None:
-            seen = self._seen_calls[src] = (set(), collections.deque())
-        ids, order = seen
-        if msg_id in ids:
+            seen = self._seen_calls[src] = RecentIds(limit=SEEN_CALLS // 2)
+        if msg_id in seen:
             return True
-        ids.add(msg_id)
-        order.append(msg_id)
-        if len(order) > SEEN_CALLS:
-            ids.discard(order.popleft())
+        seen.add(msg_id)
         return False
 
     # ------------------------------------------------------------------ execution (user pool)
