@@ -49,11 +49,18 @@ class RecentIds:
         self._since = clock()  #: when the current generation began
 
     def add(self, item: Hashable) -> None:
+        self.generation()
+        self._previous.discard(item)  # re-added: it stays a full generation more
+        self._current.add(item)
+
+    def generation(self) -> set[Hashable]:
+        """The current generation, rotated first if it is due: a batch adds to it directly
+        with one clock read (``RRefContext.on_user_deletes``). A member added this way
+        that is also in the previous generation is counted twice by ``len`` until then."""
         now = self._clock()
         if now - self._since >= self.horizon or (self.limit is not None and len(self._current) >= self.limit):
             self._previous, self._current, self._since = self._current, set(), now
-        self._previous.discard(item)  # re-added: it stays a full generation more (disjoint generations)
-        self._current.add(item)
+        return self._current
 
     def discard(self, item: Hashable) -> None:
         self._current.discard(item)
@@ -67,7 +74,7 @@ class RecentIds:
 
     def __iter__(self) -> Iterator[Hashable]:
         yield from self._current
-        yield from self._previous
+        yield from (x for x in self._previous if x not in self._current)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, RecentIds):

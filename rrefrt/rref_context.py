@@ -431,9 +431,10 @@ class RRefContext(ContextAudit, ContextDrops):
         The usual case - the last fork of a created value with its value set - is inlined
         (``_user_delete`` does the same, slower); one notify for the batch."""
         actions: list[Action] = []
-        owners, forks_of, tombs, released = self.owners, self.forks, self.deleted_forks, self.released
+        owners, forks_of = self.owners, self.forks
         freed: list[OwnerRecord] = []
         with self._lock:
+            tombs, released = self.deleted_forks.generation(), self.released.generation()  # one clock read
             for rref_id, fork_id in deletes:
                 forks = forks_of.get(rref_id)
                 if forks is not None and len(forks) == 1 and fork_id in forks:

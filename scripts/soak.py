@@ -239,7 +239,7 @@ def _tables() -> dict[str, int]:
         "tombstones": lambda: len(rt.ctx.deleted_forks),
         "released": lambda: len(rt.ctx.released),
         "known_owned": lambda: len(rt.ctx.known_owned),
-        "seen_calls": lambda: sum(len(ids) for ids, _ in rt.callee._seen_calls.values()),
+        "seen_calls": lambda: sum(len(seen) for seen in rt.callee._seen_calls.values()),
         "creating": lambda: len(rt.creation.creating),
         "accepts": lambda: len(rt.creation.accepts),
         "fetches": lambda: len(rt.creation.fetches),
