@@ -44,11 +44,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Default threshold of the RSS slope after warm-up, in MB/min. A leak-free worker measured
-#: here (docs/performance.md, "Memory soak") stays within +-0.1 MB/min over 10-20 minutes
-#: (allocator noise: pymalloc arenas and glibc heaps grow and shrink in steps of ~0.1-1 MB);
-#: the leak this script was written to catch grew 1.9 MB/min. 0.5 MB/min is five times the
-#: noise and a quarter of that leak: 30 MB an hour, which a long-running job would notice.
+#: Default threshold of the RSS slope after warm-up, in MB/min. Leak-free workers measured
+#: here (docs/performance.md, "Memory soak"; 20 minutes, 3 workers): slopes of -0.14 to
+#: +0.33, each with a standard error of about 0.1 (RSS swings by 2-4 MB between samples as
+#: glibc keeps the medium tensors' freed memory in its heaps and returns it in steps;
+#: without that free space the slopes are -0.08 to +0.11). The leak this script was
+#: written to catch grew 1.9 MB/min. 0.5 MB/min is above every leak-free run and a quarter
+#: of that leak: 30 MB an hour, which a long-running job would notice.
 MAX_SLOPE = 0.5
 HELD = 32  #: RRefs a worker holds at most; older ones are dropped
 SMALL = 64  #: floats in a small tensor
@@ -404,9 +406,12 @@ def verdict(samples: dict[int, list[dict]], args: argparse.Namespace, code: int)
     for rank, ss in sorted(samples.items()):
         pts = [(s["t"] / 60.0, s["rss_kb"] / 1024) for s in ss if s["t"] >= args.warmup * 60.0]
         k = slope(pts)
+        held = slope([(s["t"] / 60.0, (s["rss_kb"] - s.get("malloc_free_kb", 0)) / 1024) for s in ss
+                      if s["t"] >= args.warmup * 60.0])
         objs = slope([(s["t"] / 60.0, float(s["objects"])) for s in ss if s["t"] >= args.warmup * 60.0 and s["phase"] == "run"])
         first, last = (ss[0], ss[-1]) if ss else ({}, {})
-        print(f"  rank {rank}: {k:+.3f} MB/min over {len(pts)} samples; rss {first.get('rss_kb', 0) / 1024:.1f} -> "
+        print(f"  rank {rank}: {k:+.3f} MB/min over {len(pts)} samples ({held:+.3f} without the free space inside "
+              f"malloc's heaps); rss {first.get('rss_kb', 0) / 1024:.1f} -> "
               f"{last.get('rss_kb', 0) / 1024:.1f} MB, threads {first.get('threads')} -> {last.get('threads')}, "
               f"fds {first.get('fds')} -> {last.get('fds')}, gc objects {objs:+.0f}/min; tables at the end: "
               f"{' '.join(f'{k} {v}' for k, v in last.get('tables', {}).items())}")
