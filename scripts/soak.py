@@ -8,22 +8,26 @@ rpc_sync and rpc_async calls with small (64 floats) and medium (512 KiB, over sh
 between workers of one host) tensors; remote() + to_here(); RRefs returned by their owner
 (owner -> user); RRefs passed to a third worker (user -> user forks) and back to their owner
 (user -> owner); proxy calls (``rref.rpc_sync().sum()``, ``rref.remote()``); an
-``async def`` and an ``@async_execution`` function; a remote exception; a call that times
-out before its answer arrives (one in 50); and drops of held RRefs (at most ``HELD``).
+``async def`` and an ``@async_execution`` function; a remote exception (1 operation in 56)
+and a call that times out before its answer arrives (1 in 224); and drops of held RRefs
+(at most ``HELD`` held).
 
 Every ``--interval`` seconds each worker reports its RSS, OS threads, open fds, live RRefs
-(owners, forks, pending users and children) and the operations and errors so far; the
-driver prints one line per worker and sample. At the end it fits a line to each worker's
-RSS after ``--warmup`` minutes (least squares, MB per minute) and exits 1 if a slope is above
-``--max-slope`` (see ``MAX_SLOPE``), if a worker failed, if an operation raised something
-other than what the mix asks for, or if the live RRefs did not drain to 0 at the end.
+(owners, forks, pending users and children), glibc's bytes in use and free, its gc-tracked
+objects, the sizes of the runtime's tables keyed by fork, RRef or call id, and the
+operations and errors so far; the driver prints two lines per worker and sample. At the end
+it fits a line to each worker's RSS after ``--warmup`` minutes (least squares, MB per
+minute; also shown without the free space inside glibc's heaps) and exits 1 if a slope is
+above ``--max-slope`` (see ``MAX_SLOPE``), if a worker failed, if an operation raised
+something other than what the mix asks for, or if pending users or children remain at the
+end. docs/performance.md ("Memory soak") has a 20-minute run.
 
 ``--tracemalloc DIR`` also traces Python allocations on every worker (slower; 1 frame per
 allocation unless ``--frames``): a snapshot after warm-up and one at the end, and the top
 growing allocation sites between them written to ``DIR/rank<N>.txt``.
 
-    python scripts/soak.py --minutes 20                    # the long run (~2 cores' worth at most)
-    python scripts/soak.py --minutes 4 --interval 30 --tracemalloc /tmp/soak-tm
+    python scripts/soak.py --minutes 20                    # the long run
+    python scripts/soak.py --workers 2 --minutes 4 --interval 30 --tracemalloc /tmp/soak-tm --frames 6
 """
 
 from __future__ import annotations
