@@ -2,7 +2,7 @@
 
 Owns: the protocol state of one worker (owners, forks, users, pending children) and its
 invariants (their check is in ``rref_audit``, the records in ``rref_records``). Imports from
-rrefrt: ids, messages, errors, rref_records, rref_audit. Performs no I/O and never calls
+rrefrt: ids, messages, errors, recent, rref_records, rref_audit. Performs no I/O and never calls
 user code: each event method updates the maps under ``_lock`` and returns the actions
 (``messages.ForkRequest`` ...) for its caller to perform after the lock is released.
 
@@ -32,10 +32,11 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from rrefrt.errors import OwnerDiedError, RpcError, RRefCreationError, WorkerUnavailableError, fresh
 from rrefrt.protocol.ids import ForkId, IdGenerator, RRefId
+from rrefrt.protocol.recent import HORIZON_S, RecentIds
 from rrefrt.protocol.messages import (
     Action,
     ChildAccept,
@@ -61,7 +62,8 @@ class RRefContext(ContextAudit, ContextDrops):
     invariant check) in ``rrefrt/protocol/audit.py``; the events of dropped RRef objects in
     ``rrefrt/protocol/drops.py``."""
 
-    def __init__(self, worker_id: int, ids: IdGenerator) -> None:
+    def __init__(self, worker_id: int, ids: IdGenerator, horizon: float = HORIZON_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.worker_id = worker_id
         self.ids = ids
         self._lock = threading.Lock()
@@ -85,14 +87,15 @@ class RRefContext(ContextAudit, ContextDrops):
         #: user and that child has not accepted. Leave on RREF_CHILD_ACCEPT or child death.
         self.pending_children: dict[ForkId, tuple[UserRecord, int]] = {}
         #: fork ids deleted on this owner (tombstones): a duplicated or retried fork request
-        #: or creation that arrives late must not resurrect them. Kept for the group's life.
-        self.deleted_forks: set[ForkId] = set()
+        #: or creation that arrives late must not resurrect them. Kept for ``horizon`` seconds
+        #: at least, then forgotten (NOTE [Bounded memory of finished things], rrefrt/protocol/recent.py)
+        self.deleted_forks: RecentIds = RecentIds(horizon, clock=clock)
         self.dead: set[int] = set()  #: workers declared dead
         #: rref ids of values owned here that left ``owners`` for good (Release, or a creation
         #: its creator gave up): a late fork request, fetch or fork data for one (a fork its
         #: dead holder sent on) must not re-create it as an empty placeholder that nothing
-        #: would ever free (``_lost``). Kept for the group's life.
-        self.released: set[RRefId] = set()
+        #: would ever free (``_lost``). Kept for ``horizon`` seconds at least, as deleted_forks.
+        self.released: RecentIds = RecentIds(horizon, clock=clock)
         #: rref id -> record, for every value owned here while anything references it
         #: (``owners`` or a local RRef object): how an RRef sent to itself finds its value.
         self.known_owned: weakref.WeakValueDictionary[RRefId, OwnerRecord] = weakref.WeakValueDictionary()
@@ -429,9 +432,10 @@ class RRefContext(ContextAudit, ContextDrops):
         The usual case - the last fork of a created value with its value set - is inlined
         (``_user_delete`` does the same, slower); one notify for the batch."""
         actions: list[Action] = []
-        owners, forks_of, tombs, released = self.owners, self.forks, self.deleted_forks, self.released
+        owners, forks_of = self.owners, self.forks
         freed: list[OwnerRecord] = []
         with self._lock:
+            tombs, released = self.deleted_forks.generation(), self.released.generation()  # one clock read
             for rref_id, fork_id in deletes:
                 forks = forks_of.get(rref_id)
                 if forks is not None and len(forks) == 1 and fork_id in forks:

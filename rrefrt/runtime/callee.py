@@ -20,7 +20,6 @@ functions on the event loop thread.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import inspect
 import logging
@@ -37,6 +36,7 @@ from rrefrt.functions import is_async_execution, when_future_done
 from rrefrt.pool import InlineWaits, PoolExhaustedError, acting_as
 from rrefrt.protocol.messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, ServeFetch, StackQuery
 from rrefrt.protocol.context import FAILED, READY, OwnerRecord
+from rrefrt.protocol.recent import RecentIds
 from rrefrt.runtime.control import ControlLoop
 from rrefrt.runtime.core import WorkerCore
 from rrefrt.runtime.creation import CreationTracker
@@ -50,7 +50,9 @@ log = logging.getLogger("rrefrt")
 #: ``logging.getLogger("rrefrt.callee").setLevel(logging.ERROR)`` silences it
 _user_log = logging.getLogger("rrefrt.callee")
 
-#: how many recent PYTHON_CALL ids per peer are remembered to drop duplicates
+#: at most this many PYTHON_CALL ids per peer are remembered to drop duplicates, each for
+#: ``recent.HORIZON_S`` at least or half this many later calls (NOTE [Bounded memory of
+#: finished things] in rrefrt/protocol/recent.py)
 SEEN_CALLS = 65536
 
 #: a fetched str/bytes value up to this size is pickled on the thread that read the fetch
@@ -71,8 +73,8 @@ class Callee:
         self.payloads = payloads
         self.replies = replies
         self.creation = creation
-        #: src -> (ids, order): recent PYTHON_CALL ids per peer, to drop duplicates (transport thread)
-        self._seen_calls: dict[int, tuple[set[int], collections.deque]] = {}
+        #: src -> recent PYTHON_CALL ids of that peer, to drop duplicates (transport thread)
+        self._seen_calls: dict[int, RecentIds] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
@@ -144,14 +146,10 @@ class Callee:
         """A PYTHON_CALL delivered twice must not run twice."""
         seen = self._seen_calls.get(src)
         if seen is None:
-            seen = self._seen_calls[src] = (set(), collections.deque())
-        ids, order = seen
-        if msg_id in ids:
+            seen = self._seen_calls[src] = RecentIds(limit=SEEN_CALLS // 2)
+        if msg_id in seen:
             return True
-        ids.add(msg_id)
-        order.append(msg_id)
-        if len(order) > SEEN_CALLS:
-            ids.discard(order.popleft())
+        seen.add(msg_id)
         return False
 
     # ------------------------------------------------------------------ execution (user pool)

@@ -1144,3 +1144,31 @@ def test_a_batch_of_deletes_ends_as_the_same_deletes_one_by_one() -> None:
     assert batch.deleted_forks == one.deleted_forks and batch.released == one.released
     _validate(batch)
     _validate(one)
+
+
+def test_tables_of_finished_things_stay_bounded() -> None:
+    """Issue 21 item 8 (NOTE [Bounded memory of finished things] in rrefrt/protocol/recent.py): the
+    owner's tombstones (``deleted_forks``) and ``released`` ids were kept for the group's
+    life, about 100-150 bytes per RRef freed, for ever (the RSS growth of a long soak).
+    Now each is remembered for ``horizon`` seconds at least and at most twice that: a late
+    copy of a creation within the horizon is still refused, and after many RRefs created
+    and dropped over a long time the tables hold only the last two horizons' ids."""
+    now = [0.0]
+    b = RRefContext(1, IdGenerator(1), horizon=60.0, clock=lambda: now[0])
+    first = None
+    for n in range(1, 3001):  # 3000 RRefs created by worker 0 on b and dropped, 10 per second
+        rid = RRefId(0, n)
+        rec = b.on_remote_request(rid, rid, 0, "int")
+        assert rec is not None
+        b.set_value(rec, n)
+        assert b.on_user_delete(rid, rid) == [Release(rec)]
+        del rec  # the value is gone (nothing references its record)
+        assert b.on_remote_request(rid, rid, 0, "int") is None  # a late copy: refused
+        b.on_fork_request(rid, ForkId(2, n), 2)  # a late fork request: registers nothing
+        first = first or rid
+        now[0] += 0.1
+    assert b.owners == {} and b.forks == {}
+    assert rid in b.deleted_forks and rid in b.released  # the last one: still remembered
+    assert first not in b.deleted_forks and first not in b.released  # 300 s ago: forgotten
+    assert 600 <= len(b.deleted_forks) <= 1200 and 600 <= len(b.released) <= 1200  # 1-2 horizons at 10/s
+    _validate(b)
