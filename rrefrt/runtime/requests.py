@@ -239,10 +239,13 @@ class Requests:
         """Transport thread: ``call`` timed out; ask its callee where it is and fail its
         future with the answer (``where_error``) within ``STACK_WAIT``. False: not asked
         (the callee is dead, or the call was never numbered): the caller fails it plainly."""
+        dest = call.dest
+        if self._mute_until.get(dest, 0.0) > time.monotonic():  # cheap first (a burst of timeouts)
+            return False
         query = self.stack_query(call)
         if query is None:
             return False
-        plain, fut, dest = call.error(err), call.fut, call.dest
+        plain, fut = call.error(err), call.fut
         return self.ask_where(dest, query, lambda answer: fut._fail(self.where_error(plain, dest, answer)))
 
     @staticmethod
