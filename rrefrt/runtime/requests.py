@@ -240,7 +240,9 @@ class Requests:
         future with the answer (``where_error``) within ``STACK_WAIT``. False: not asked
         (the callee is dead, or the call was never numbered): the caller fails it plainly."""
         dest = call.dest
-        if self._mute_until.get(dest, 0.0) > time.monotonic():  # cheap first (a burst of timeouts)
+        # cheap first: in a burst of timeouts most calls find the callee muted or already
+        # asked about as often as allowed (NOTE [Stack queries are bounded])
+        if self._mute_until.get(dest, 0.0) > time.monotonic() or self._asking.get(dest, 0) >= STACK_QUERIES_PER_PEER:
             return False
         query = self.stack_query(call)
         if query is None:

@@ -629,7 +629,10 @@ def test_rpc_async_returns_at_once_while_a_same_host_peer_holds_its_gil(group):
     # heap under a load of 10 on two cores has taken 0.3-1 s), far below the blocking it replaces
     assert took[-1] < timeout and other < 0.5
     assert queued > 0, "w1's socket never filled: the test tests nothing"
-    assert timeout <= late[0] and late[-1] <= timeout + TIMEOUT_SLACK
+    # each future fails at its deadline; ``late`` is when its done callback ran, and 6000
+    # callbacks queue on the 4-thread callback pool: under the suite's load on 2 cores the
+    # last of them has run up to ~0.8 s after its deadline, so the tail gets 1 s
+    assert timeout <= late[0] and late[n // 2] <= timeout + TIMEOUT_SLACK and late[-1] <= timeout + 1.0
     assert stall.wait() >= 7.0  # the stall was real, and w1 is alive after it
     assert rrefrt.rpc_sync("w1", fns.add, args=(2, 3), timeout=10) == 5
 
