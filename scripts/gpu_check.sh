@@ -23,7 +23,10 @@ if ! "$PY" -c "import zmq" 2>/dev/null; then
         --target /tmp/rrefrt-site .whl/*.whl || { echo "gpu_check: installing .whl/ failed"; exit 2; }
     export PYTHONPATH=/tmp/rrefrt-site
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the checkout on PYTHONPATH; its transport/ folder installs as rrefrt_transport (pyproject's
+# package-dir), so without an install it is reached through a link of that name
+mkdir -p /tmp/rrefrt-src && ln -sfn "$PWD/transport" /tmp/rrefrt-src/rrefrt_transport
+export PYTHONPATH="$PWD:/tmp/rrefrt-src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 "$PY" - <<'PYEOF' || exit 2
