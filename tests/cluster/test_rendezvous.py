@@ -5,7 +5,6 @@ issue 12 items 7, 13)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 import rrefrt
 from rrefrt.group.rendezvous import GroupSpec, Record, Rendezvous, RendezvousError, resolve
 from rrefrt.group.store import StoreClient
-from tests.support import ROOT, env_for, free_port, poll_for
+from tests.support import ROOT, env_for, free_port, poll_for, finish_processes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -193,25 +192,12 @@ def procs():
         p.wait(5)
 
 
-def _wait(ps: list[subprocess.Popen], timeout: float) -> list[tuple[int, dict | None, str]]:
-    deadline = time.monotonic() + timeout
-    out = []
-    for p in ps:
-        try:
-            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            text, _ = p.communicate(timeout=5)
-            text += "\n<killed: did not exit in time>"
-        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-        out.append((p.returncode, json.loads(lines[-1][7:]) if lines else None, text))
-    return out
 
 
 def test_reinit_with_rank_0_hosting_the_store_env_init(procs):
     port = free_port()
     procs += [_start("reinit", r, 3, port) for r in range(3)]
-    for code, res, out in _wait(procs, 100):
+    for code, res, out in finish_processes(procs, 100):
         assert code == 0 and res is not None, out
         assert max(res["init_s"]) < 20, out
         print(f"rank {res['rank']}: init_rpc took " + ", ".join(f"{x:.2f}" for x in res["init_s"]) + " s (3 rounds)")
@@ -226,7 +212,7 @@ def test_smaller_world_size_fails_fast_on_every_worker(procs):
     procs.append(_start("join", 2, 2, port))
     time.sleep(3.0)  # the scenario: rank 0 (the store's host) starts late; not a synchronisation
     procs += [_start("join", 0, 3, port), _start("join", 1, 3, port)]
-    outs = _wait(procs, 60)
+    outs = finish_processes(procs, 60)
     took = time.monotonic() - t0
     for code, _, out in outs:
         assert code != 0 and ("world_size" in out), out
@@ -243,10 +229,10 @@ def test_world_size_mismatch_fails_fast_on_every_worker(procs):
     port = free_port()
     t0 = time.monotonic()
     procs += [_start("join", 0, 3, port), _start("join", 1, 2, port)]
-    first = _wait([procs[1]], 30)
+    first = finish_processes([procs[1]], 30)
     assert first[0][0] != 0 and "world size mismatch" in first[0][2], first
     procs.append(_start("join", 2, 3, port))
-    for code, _, out in first + _wait([procs[0], procs[2]], 60):
+    for code, _, out in first + finish_processes([procs[0], procs[2]], 60):
         assert code != 0 and "world size mismatch" in out, out
     assert time.monotonic() - t0 < 25
 
@@ -270,7 +256,7 @@ def test_duplicate_rank_0_is_reported_as_a_duplicate_not_port_in_use(procs, tmp_
         poll_for(lambda p=p: joined_or_exited(p), 60, "joined or failed")
     took = time.monotonic() - t0
     open(release, "w").close()
-    outs = [(code, res, seen[p] + out) for p, (code, res, out) in zip(procs, _wait(procs, 60))]
+    outs = [(code, res, seen[p] + out) for p, (code, res, out) in zip(procs, finish_processes(procs, 60))]
     # both rank 0s race: if one of them and rank 1 formed the group first, the late one fails
     # alone and the running group is unharmed; otherwise all three fail
     failed = [out for code, _, out in outs if code != 0]
@@ -356,7 +342,7 @@ def test_a_stranger_at_the_store_cannot_disturb_a_job_with_a_secret(procs):
     finally:
         observer.close()
     procs.append(_start("join", 2, 3, port, RREFRT_SECRET=secret))
-    for code, _, out in _wait(procs, 60):
+    for code, _, out in finish_processes(procs, 60):
         assert code == 0, out
         assert text not in out, out
 
@@ -369,11 +355,11 @@ def test_a_late_duplicate_fails_at_once_and_the_running_group_is_unharmed(procs,
         poll_for(lambda p=p: p.stdout.readline().startswith("JOINED") or p.poll() is not None, 60, "joined")
     t0 = time.monotonic()
     late = _start("join", 1, 2, port, "late")
-    (code, _, out), = _wait([late], 60)
+    (code, _, out), = finish_processes([late], 60)
     assert code != 0 and "duplicate rank 1: two processes claimed it" in out and "'w1' (pid" in out, out
     assert f"pid {procs[1].pid}" in out and time.monotonic() - t0 < 20, out
     open(release, "w").close()
-    for code, _, out in _wait(procs, 60):
+    for code, _, out in finish_processes(procs, 60):
         assert code == 0, out
 
 
@@ -397,7 +383,7 @@ def test_shares_master_port_with_a_gloo_process_group(procs):
     pytest.importorskip("torch.distributed")
     port = free_port()
     procs += [_start("with_pg", r, 2, port) for r in range(2)]
-    outs = _wait(procs, 100)
+    outs = finish_processes(procs, 100)
     for code, res, out in outs:
         assert code == 0 and res is not None, out
         assert res["rpc"] == res["rank"] + 10 and res["allreduce"] == [3.0, 3.0], out
@@ -410,14 +396,14 @@ def test_file_init(procs, tmp_path):
     pytest.importorskip("torch.distributed")
     path = str(tmp_path / "rdzv")
     procs += [_start("file", r, 2, 0, RDZV_FILE=path) for r in range(2)]
-    for code, res, out in _wait(procs, 100):
+    for code, res, out in finish_processes(procs, 100):
         assert code == 0 and res is not None and res["rpc"] == res["rank"] + 20, out
 
 
 def test_a_remote_exception_that_cannot_be_rebuilt_keeps_type_worker_and_traceback(procs):
     port = free_port()
     procs += [_start("remote_error", r, 2, port) for r in range(2)]
-    outs = _wait(procs, 100)
+    outs = finish_processes(procs, 100)
     for code, _, out in outs:
         assert code == 0, out
     res = outs[0][1]

@@ -4,7 +4,6 @@ init_method; and a rendezvous that cannot form says so within seconds."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support import ROOT, env_for, free_port
+from tests.support import ROOT, env_for, free_port, finish_processes
 
 pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.timeout(240)
@@ -26,19 +25,6 @@ def _start(rank: int, pg_port: int, rpc_port: int, **extra: str) -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _finish(ps: list[subprocess.Popen], timeout: float) -> list[tuple[int | None, dict | None, str]]:
-    deadline = time.monotonic() + timeout
-    out = []
-    for p in ps:
-        try:
-            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)
-            text, _ = p.communicate(timeout=10)
-            text += "\n<killed: did not exit in time>"
-        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-        out.append((p.returncode, json.loads(lines[-1][7:]) if lines else None, text))
-    return out
 
 
 @pytest.fixture
@@ -56,7 +42,7 @@ def test_ddp_trainers_with_their_own_process_group_join_rpc_at_its_init_method(p
     and the master and parameter server wait at RPC_PORT until init_timeout."""
     pg_port, rpc_port = free_port(), free_port()
     procs += [_start(r, pg_port, rpc_port) for r in range(4)]
-    results = _finish(procs, 180)
+    results = finish_processes(procs, 180)
     for code, res, text in results:
         assert code == 0 and res is not None, text[-4000:]
         # polling a shared torch store must not flood the log with c10d's wait warnings
@@ -71,7 +57,7 @@ def test_a_rendezvous_that_cannot_form_says_who_is_awaited_where_within_seconds(
     rpc_port = free_port()
     t0 = time.monotonic()
     procs.append(_start(3, free_port(), rpc_port, INIT_TIMEOUT="12"))
-    [(code, res, text)] = _finish(procs, 120)
+    [(code, res, text)] = finish_processes(procs, 120)
     assert code != 0 and res is None, text[-3000:]
     assert f"localhost:{rpc_port}" in text and "has waited" in text, text[-3000:]
     assert "init_timeout" in text, text[-3000:]

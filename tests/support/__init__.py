@@ -178,3 +178,21 @@ def zmq_transport(transport: Any) -> Any:
     path to every peer on another host), or the transport itself when it is the zmq one.
     For tests that read the zmq transport's own state (endpoints, its loop, its security)."""
     return getattr(transport, "inner", transport)
+
+
+def finish_processes(ps: list[subprocess.Popen], timeout: float) -> list[tuple[int | None, dict | None, str]]:
+    """Wait (bounded by ``timeout`` for all of them) for processes started in sessions of
+    their own that print ``RESULT <json>`` lines; a process past the deadline is killed with
+    its process group. Returns (exit code, the last RESULT's value or None, output) each."""
+    deadline = time.monotonic() + timeout
+    out = []
+    for p in ps:
+        try:
+            text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            text, _ = p.communicate(timeout=10)
+            text += "\n<killed: did not exit in time>"
+        lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+        out.append((p.returncode, json.loads(lines[-1][7:]) if lines else None, text))
+    return out

@@ -233,6 +233,19 @@ class Send:
         self._try_flush(peer, force=threading.get_ident() != self._lead.leader)
         return peer.state != "dead"
 
+    def _sendmsg(self: Any, peer: Any, sock: Any, bufs: list) -> int:
+        """One ``sendmsg`` of ``bufs``: the bytes it took (0 when the socket is full), or -1
+        when the socket failed (the peer is then reported broken)."""
+        try:
+            n = sock.sendmsg(bufs, (), _SEND_FLAGS)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            self._broken(peer, f"its socket failed: {e.strerror or e}")
+            return -1
+        self._bytes_sent += n
+        return n
+
     def _write_now(self: Any, peer: Any, bufs: list, deadline: float | None) -> bool:
         """Write one message directly (send lock held, nothing queued or half-written). A
         sending thread that is not the receiver's goes on writing its own message, zero copy,
@@ -242,27 +255,17 @@ class Send:
         sock = peer.sock
         if sock is None:
             return False
-        try:
-            n = sock.sendmsg(bufs, (), _SEND_FLAGS)
-        except BlockingIOError:
-            n = 0
-        except OSError as e:
-            self._broken(peer, f"its socket failed: {e.strerror or e}")
+        n = self._sendmsg(peer, sock, bufs)
+        if n < 0:
             return False
-        self._bytes_sent += n
         if len(bufs) == 1 and type(bufs[0]) is bytes and n == len(bufs[0]):
             return True
         rest = _advance([b if type(b) is bytes else memoryview(b).cast("B") for b in bufs], n)
         if rest and n and threading.get_ident() != self._lead.leader:
             while rest and (deadline is None or time.monotonic() < deadline) and _writable(sock, _GRACE):
-                try:
-                    n = sock.sendmsg(rest, (), _SEND_FLAGS)
-                except BlockingIOError:
-                    n = 0
-                except OSError as e:
-                    self._broken(peer, f"its socket failed: {e.strerror or e}")
+                n = self._sendmsg(peer, sock, rest)
+                if n < 0:
                     return False
-                self._bytes_sent += n
                 rest = _advance(rest, n)
         if not rest:
             return True
