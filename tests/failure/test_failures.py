@@ -594,7 +594,7 @@ def test_a_class_missing_on_the_callee_is_a_remote_error_in_one_round_trip(group
 
 # ---------------------------------------------------------------------------- issue 21: the same-host path
 @pytest.mark.timeout(120)
-def test_rpc_async_returns_at_once_while_a_same_host_peer_holds_its_gil(group):
+def test_rpc_async_returns_at_once_while_a_same_host_peer_holds_its_gil(group, tmp_path):
     """Issue 21 item 2: w1 holds its GIL in a C call (its receiver thread cannot read) while
     w0 sends it 3 KB calls with a 2 s timeout, more than its socket takes. rpc_async returns
     at once every time (it blocked for up to 11.4 s), every future fails at its own deadline
@@ -602,7 +602,10 @@ def test_rpc_async_returns_at_once_while_a_same_host_peer_holds_its_gil(group):
     group(3)
     rt = rrefrt.state.current()
     assert rt.transport.uses_same_host_path(1), "the test is about the same-host path"
-    stall = rrefrt.rpc_async("w1", ff.hold_gil, args=(8.0,), timeout=30)
+    started = tmp_path / "stall-started"
+    stall = rrefrt.rpc_async("w1", ff.hold_gil, args=(8.0, str(started)), timeout=30)
+    # the calls go out once the stall has begun: a call w1 answered before it would succeed
+    poll_for(started.exists, 10, "w1 began to hold its GIL", interval=0.001)
     n, timeout, payload = 6000, 2.0, bytes(3 << 10)
     took, failed_at, futs = [], {}, []
     for i in range(n):

@@ -115,14 +115,18 @@ def deadlock() -> None:
     _never_released.acquire()
 
 
-def hold_gil(seconds: float) -> float:
+def hold_gil(seconds: float, started: str = "") -> float:
     """A handler that holds the GIL for ``seconds`` in one C call (poll(2) through
     ctypes.PyDLL, which keeps the GIL): no Python thread of this process - the I/O thread
-    included - runs meanwhile; only libzmq's own threads do."""
+    included - runs meanwhile; only libzmq's own threads do. ``started``, if given, is a file
+    created just before the call, so a caller can wait until the stall has begun."""
     import ctypes
 
+    poll = ctypes.PyDLL(None).poll
+    if started:
+        open(started, "w").close()
     t0 = time.monotonic()
-    ctypes.PyDLL(None).poll(None, 0, int(seconds * 1000))
+    poll(None, 0, int(seconds * 1000))
     return time.monotonic() - t0
 
 
