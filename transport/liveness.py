@@ -131,12 +131,14 @@ class LivenessTable:
         with self._lock:
             self._peers[peer] = _Entry(heard_at=self._clock())
 
-    def heard(self, peer: int) -> None:
+    def heard(self, peer: int, at: float | None = None) -> None:
+        """``peer`` was heard from now, or at clock ``at`` (a transport that notes each
+        arrival itself and feeds the table once per tick); a clock never moves back."""
         with self._lock:
             e = self._peers.get(peer)
             if e is None or e.state is S.DEAD:
                 return
-            e.heard_at = self._clock()
+            e.heard_at = max(e.heard_at, self._clock() if at is None else at)
             self._step(e, E.HEARD)
 
     def route(self, peer: int, ok: bool) -> None:

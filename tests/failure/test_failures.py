@@ -614,7 +614,7 @@ def test_rpc_async_returns_at_once_while_a_same_host_peer_holds_its_gil(group, t
         took.append(time.monotonic() - t0)
         fut.add_done_callback(lambda f, i=i, t0=t0: failed_at.__setitem__(i, time.monotonic() - t0))
         futs.append(fut)
-    queued = getattr(rt.transport.local._peers[1], "qbytes", 0)
+    queued = rt.transport.local.queued_bytes(1)
     took.sort()
     print(f"\n[issue 21.2] {n} rpc_async calls of 3 KB to a worker holding its GIL: rpc_async took median "
           f"{took[n // 2] * 1e3:.3f} ms, max {took[-1] * 1e3:.1f} ms; {queued >> 10} KiB queued")

@@ -78,7 +78,7 @@ def test_many_in_flight_from_many_threads() -> None:
         assert sorted(tuple(m) for m, _, _, _ in got) == sorted((t, i) for t in range(n_threads) for i in range(per))
         # NOTE [Deadline buckets]: answered requests leave nothing behind until their
         # deadline (each used to keep a timer entry and its closure for the full 20 s)
-        assert sum(len(b) for b in g.t._buckets.values()) == 0
+        assert sum(len(b) for b in g.t._timers.buckets.values()) == 0
         assert len(g.t._timers) < 100, len(g.t._timers)
 
 
@@ -350,9 +350,9 @@ def test_framing_fast_paths_round_trip_at_their_boundaries() -> None:
         ]
 
 
-def _pair(on1: Any, **extra: Any) -> tuple[UnixTransport, UnixTransport]:
+def _pair(on1: Any, on0: Any = lambda *a: None, **extra: Any) -> tuple[UnixTransport, UnixTransport]:
     """Two same-host transports in this process, joined over a real AF_UNIX socket."""
-    t0 = UnixTransport(TransportConfig(0, "w0", 70, kind="unix", extra=extra), lambda *a: None, lambda p, c: None)
+    t0 = UnixTransport(TransportConfig(0, "w0", 70, kind="unix", extra=extra), on0, lambda p, c: None)
     t1 = UnixTransport(TransportConfig(1, "w1", 71, kind="unix", extra=extra), on1, lambda p, c: None)
     specs = [PeerSpec(0, "w0", 70, t0.listen()), PeerSpec(1, "w1", 71, t1.listen())]
     t0.start()
@@ -379,7 +379,6 @@ def test_direct_writes_from_many_threads_stay_whole_and_in_order_through_a_full_
         if meta[1] % 50 == 0:  # answers from the receiver thread: direct or EVENT_WRITE
             t1.send(0, 17, meta, [bytes(5 << 20)])
 
-    t0, t1 = _pair(on1, shm_threshold=0)
     answers: queue.Queue = queue.Queue()
     hold0 = threading.Event()  # this side's receiver holds too: the answers fill its socket
 
@@ -387,7 +386,7 @@ def test_direct_writes_from_many_threads_stay_whole_and_in_order_through_a_full_
         hold0.wait(30)
         answers.put(meta)
 
-    t0._on_message = on0
+    t0, t1 = _pair(on1, on0, shm_threshold=0)
     try:
         n_threads, per = 4, 150
 

@@ -74,16 +74,17 @@ def inline_enabled(extra: dict[str, Any]) -> bool:
 
 
 class Leadership:
-    """Who runs the receiver loop (NOTE [Inline calls]). ``serve`` runs the loop until the
-    transport closes (then returns True) or this thread lost the lead (then False)."""
+    """Who runs the receiver loop (NOTE [Inline calls]). The loop (``serve``, given to
+    ``main``) runs until the transport closes (then returns True) or this thread lost the
+    lead (then False)."""
 
-    def __init__(self, name: str, serve: Callable[[], bool], enabled: bool, stats: collections.Counter) -> None:
+    def __init__(self, name: str, enabled: bool, stats: collections.Counter) -> None:
         self.name = name
         self.enabled = enabled
         self.leader = 0  #: ident of the thread that runs the loop now
         self.queue: collections.deque = collections.deque()  #: (task, fallback) to run inline
         self.stats = stats  #: the transport's: inline_calls, inline_takeovers (handoffs among them), inline_fallbacks, inline_bursts
-        self._serve = serve
+        self._serve: Callable[[], bool] = lambda: True
         self._cv = threading.Condition(threading.Lock())
         self._standby = False  #: a standby thread exists (waiting, or watching)
         self._state = _ASLEEP  #: the standby's
@@ -93,8 +94,10 @@ class Leadership:
         self._handoff = False  #: the running task blocks in rrefrt (hand_off)
         self._closing = False
 
-    def main(self) -> None:
-        """The loop's first thread: lead from now on; the standby starts beside it."""
+    def main(self, serve: Callable[[], bool]) -> None:
+        """The loop's first thread: lead from now on, running ``serve``; the standby starts
+        beside it."""
+        self._serve = serve
         self.leader = threading.get_ident()
         if self.enabled:
             with self._cv:

@@ -1,5 +1,24 @@
 """The same-host transport: one AF_UNIX stream per peer pair, shared memory for large frames.
 
+The objects, one per concern, and the threads that run them:
+
+| object | file | job | thread |
+|---|---|---|---|
+| ``UnixTransport`` | transport.py | the Transport API, the join, liveness verdicts, teardown, close | callers' threads (API); the loop (verdicts, teardown) |
+| ``Channel`` | channel.py | one peer: socket, state, its pending requests, the bounded send queue and writer, read state | any thread writes; the loop reads |
+| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers, segment releases | the leading thread |
+| ``Leadership`` | lead.py | which thread leads the loop; inline calls (off by default) | the loop's threads |
+| ``Timers`` | timers.py | the timer heap and the deadline slices of requests | any thread pushes; the loop runs |
+| ``Poller``, ``Bell`` | poller.py | epoll over the sockets; the eventfd that wakes the loop | the loop (any thread rings) |
+| ``Acceptor`` | admit.py | admission of accepted connections (peer credentials, HMAC) | the loop; ``connect_and_admit`` on the joining thread |
+| ``Reader``, ``encode`` | wire.py | the framing | the loop; senders |
+| ``SegmentPool`` | shm.py | memfd segments lent to peers for large frames | senders; the loop |
+| ``LivenessTable`` | ../liveness.py | judges silence (shared with the zmq transport) | the loop |
+
+Peers are in ``PeerState`` (``rrefrt_transport.liveness``): JOINING until admitted, UP, DEAD
+(final; ``Channel.closed`` says the connection closed after a protocol error without the
+peer being judged dead).
+
 Owns: the listening socket (in a 0700 directory of its own), the peer connections, their
 admission, request/response correlation, deadlines, timers and liveness. Registered as
 ``"unix"``.
@@ -15,22 +34,24 @@ Rules:
    EVENT_WRITE; whoever releases the lock re-checks the queue, so a message queued
    meanwhile is never stranded. The queue is bounded in bytes per peer, and a message that
    does not fit waits for room at most until its request's deadline (NOTE [Send queue
-   bound] in ``unix_send``); the receiver thread never waits at all.
+   bound] in ``channel``); the receiver thread never waits at all.
 2. One receiver thread per process waits in a selector over every peer socket, the listening
    socket and a bell (eventfd). It reads whole messages, decodes the header once, and calls
    ``on_message`` or a request's ``on_done`` itself: no thread handoff on receipt. It also
    runs the timer heap (deadlines, ``call_later``, delayed fault-hook messages, heartbeats).
    The runtime may ask it to run a call itself (``run_inline``): then the receiver role can
-   move to a standby thread (NOTE [Inline calls] in ``unix_lead``); "the receiver thread"
+   move to a standby thread (NOTE [Inline calls] in ``lead``); "the receiver thread"
    is whichever thread leads the loop now.
 3. Nothing from a connection is decoded before it is admitted (NOTE [Same-host admission]
    in docs/same-host.md): SO_PEERCRED uid = ours, then the HMAC challenge-response of
-   ``unix_wire``. Until ``connect_peers`` gives the group, accepted connections wait.
+   ``wire``. Until ``connect_peers`` gives the group, accepted connections wait.
 4. NOTE [Unix liveness]: EOF or a reset on a peer's socket means its process is gone: it is
    declared dead at once. A stopped or hung process keeps its socket open, so every
    ``heartbeat_interval`` the receiver thread PINGs each peer, and a peer from which no
    byte at all (a PING, or any part of any message, however long) arrived for
-   ``heartbeat_timeout`` is declared dead. Dead peers stay fenced: their requests fail with
+   ``heartbeat_timeout`` is declared dead: the last byte's time feeds the shared
+   ``LivenessTable``, which judges silence (its Rule 3 included: after this process was
+   itself stopped or starved, it re-reads its peers before judging any by silence). Dead peers stay fenced: their requests fail with
    PeerUnavailable, their late bytes are never read.
 5. Fault injection: ``fault_hook`` has the semantics of NOTE [Fault injection] in
    ``rrefrt_transport.zmq.send``; while a hook is installed every frame travels inline (no segment
@@ -51,7 +72,6 @@ Rules:
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 import logging
 import os
@@ -61,82 +81,43 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rrefrt_transport import hosts
-
-from rrefrt_transport import wire
+from rrefrt_transport import hosts, wire
+from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
+from rrefrt_transport.errors import (
+    AgentClosed,
+    AuthenticationFailed,
+    MessageTooLarge,
+    PeerUnavailable,
+    RequestTimeout,
+    TransportError,
+)
+from rrefrt_transport.liveness import LivenessTable
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
-from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
-from rrefrt_transport.errors import AuthenticationFailed, PeerUnavailable, RequestTimeout, TransportError
 from rrefrt_transport.unix.admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
+from rrefrt_transport.unix.channel import DEAD, JOINING, QUEUE_BYTES, UP, Channel
 from rrefrt_transport.unix.lead import Leadership, inline_enabled
-from rrefrt_transport.unix.loop import BELL, READ, Loop, Poller
-from rrefrt_transport.unix.send import QUEUE_BYTES, Send
+from rrefrt_transport.unix.poller import READ, Bell
+from rrefrt_transport.unix.receiver import LISTEN, Receiver
+from rrefrt_transport.unix.timers import Pending, Timers, guard
 
 log = logging.getLogger("rrefrt.transport")
 
+#: this process's pid, kept current across fork (a per-request getpid() was a syscall per call)
+_PID = os.getpid()
 
 
-def _answered(meta: Any, frames: Sequence[Any], err: Any) -> None:
-    """``on_done`` of a request already answered (see ``_Pending.finish``)."""
+def _after_fork() -> None:
+    global _PID
+    _PID = os.getpid()
 
 
-#: NOTE [Deadline buckets]: request deadlines are kept per slice of this width
-_TICK = 0.01
+os.register_at_fork(after_in_child=_after_fork)
 
 
-@dataclass(slots=True)
-class _Pending:
-    dest: int
-    deadline: float | None
-    timeout: float
-    on_done: OnDone
-    bucket: int = 0  #: its deadline bucket (NOTE [Deadline buckets]); 0: none
-
-    def finish(self, meta: Any, frames: Sequence[Any], err: Any) -> None:
-        """Run ``on_done`` once and drop it: the deadline's timer entry keeps this object until
-        the deadline, and must not keep the runtime's future (and what its result or error
-        references, RRefs included) alive that long."""
-        cb, self.on_done = self.on_done, _answered
-        cb(meta, frames, err)
-
-
-@dataclass(eq=False)
-class _Peer:
-    spec: PeerSpec
-    state: str = "joining"  #: joining -> up -> dead (final)
-    sock: socket.socket | None = None
-    reader: unix_wire.Reader | None = None
-    pending: dict[int, _Pending] = field(default_factory=dict)
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-    q_lock: threading.Lock = field(default_factory=threading.Lock)
-    outq: collections.deque = field(default_factory=collections.deque)  #: (buffers, fds, size) to write
-    cur: list | None = None  #: [remaining buffers, fds, size] of the message being written
-    #: bytes in ``outq`` and ``cur`` (a message counts whole until written); under ``q_lock``;
-    #: at most ``queue_bytes`` unless one message alone is larger (NOTE [Send queue bound])
-    qbytes: int = 0
-    waiting: int = 0  #: threads waiting for room in the queue (under ``q_lock``)
-    room: threading.Condition = field(init=False)  #: on ``q_lock``: notified when ``qbytes`` falls
-    want_write: bool = False
-    last_rx: float = 0.0
-    rx_fds: collections.deque = field(default_factory=collections.deque)  #: fds received, not yet claimed
-    segs: dict[int, Any] = field(default_factory=dict)  #: segment id -> our mapping of a segment it sent
-    bye: bool = False
-    #: the largest payload we may send it: the smaller of our max_message_size and the one
-    #: it told at admission (0 until then)
-    limit: int = 0
-
-    def __post_init__(self) -> None:
-        self.room = threading.Condition(self.q_lock)
-    #: why its connection was closed after a protocol error (NOTE [Protocol errors]); "" else.
-    #: state is then "dead" (final for the connection) but the peer was not judged dead
-    closed: str = ""
-
-
-class UnixTransport(Send, Loop):
+class UnixTransport:
     """The ``Transport`` of transport/base.py over AF_UNIX streams (module docstring)."""
 
     def __init__(self, config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> None:
@@ -145,7 +126,7 @@ class UnixTransport(Send, Loop):
         self.judge_silence = True
         self.config = config
         self.id, self.name, self.incarnation = config.worker_id, config.name, config.incarnation
-        self._on_message, self._on_peer_dead = on_message, on_peer_dead
+        self._on_peer_dead = on_peer_dead
         #: on_closed(peer id, cause): a connection closed after a protocol error (NOTE
         #: [Protocol errors]); the composite transport routes that peer through its inner one
         self.on_closed: Callable[[int, str], None] | None = None
@@ -155,54 +136,59 @@ class UnixTransport(Send, Loop):
         self.on_verdict: Callable[[int, str], None] | None = None
         ex = config.extra
         self.shm_threshold: int = int(ex.get("shm_threshold", 256 << 10))  # 0 disables shared memory
-        self.shm_copy_out: bool = bool(ex.get("shm_copy_out", False))
-        #: NOTE [Send queue bound] in unix_send: bytes queued per peer before senders wait
+        #: NOTE [Send queue bound] in channel.py: bytes queued per peer before senders wait
         self.queue_bytes: int = int(ex.get("unix_queue_bytes", QUEUE_BYTES))
         #: the smallest size limit of any peer and ours (``_check_size``'s fast path)
         self._min_limit: int = config.max_message_size
         self._dir_base: str | None = ex.get("unix_dir")
         #: counters of rare events; the per-message ones are plain ints (cheaper), merged by ``stats``
         self._stats: collections.Counter = collections.Counter()
-        self._n_sent = self._n_received = self._bytes_sent = self._bytes_received = 0
+        self._n_sent = 0
         self.fault_hook: Callable[[int, str], list[float]] | None = None
         self._pid = os.getpid()
         self._ids = itertools.count(1)
-        self._peers: dict[int, _Peer] = {}
-        self._by_fd: dict[int, _Peer] = {}
-        self._self_pending: dict[int, _Pending] = {}
-        self._tlock = threading.Lock()
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
-        self._next_wake = 0.0
-        #: NOTE [Deadline buckets]: bucket -> {msg_id: pending} of requests not yet answered
-        self._buckets: dict[int, dict[int, _Pending]] = {}
-        self._calls: collections.deque = collections.deque()
-        self._releases: collections.deque = collections.deque()  #: (peer id, segment id) from finalizers
-        self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._bell_rung = False
-        self._watch_needed = False
-        self._sel = Poller()
-        self._sel.register(self._bell, READ, BELL)
+        self.closing = False  #: nothing more is sent; the loop leaves (ChannelHost, ReceiverHost)
+        self._closed = threading.Event()
+        self._peers: dict[int, Channel] = {}  #: peer id -> its channel (members on this host)
+        self._self_pending: dict[int, Pending] = {}
+        self._liveness = LivenessTable(config.heartbeat_timeout, 0.0, time.monotonic)
         self._pool = shm.SegmentPool(f"{self.name}", int(ex.get("shm_pool_bytes", 256 << 20)))
+        bell = Bell()
+        self._timers = Timers(bell.ring, self._expire)
+        #: who runs the receiver loop now, and calls run inline (NOTE [Inline calls])
+        self._lead = Leadership(self.name, inline_enabled(ex), self._stats)
+        self._rx = Receiver(
+            self.name, self.id, self, self._peers, self._self_pending, on_message, self._timers, self._pool,
+            self._lead, bell, self._stats, bool(ex.get("shm_copy_out", False)),
+        )
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._acceptor: Acceptor | None = None
         self._joined = threading.Condition(threading.Lock())
         self._join_error: TransportError | None = None
-        self._closing = False
-        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-unix-{self.name}", daemon=True)
-        #: who runs the receiver loop now, and calls run inline (NOTE [Inline calls])
-        self._lead = Leadership(self.name, self._serve, inline_enabled(ex), self._stats)
 
     @property
     def stats(self) -> collections.Counter:
         """A snapshot of the counters (for tests and debug info; writing to it changes nothing)."""
         c = collections.Counter(self._stats)
-        for key, n in (("messages_sent", self._n_sent), ("messages_received", self._n_received),
-                       ("bytes_sent", self._bytes_sent), ("bytes_received", self._bytes_received)):
+        peers = list(self._peers.values())
+        for key, n in (("messages_sent", self._n_sent), ("messages_received", self._rx.n_received),
+                       ("bytes_sent", sum(p.bytes_sent for p in peers)),
+                       ("bytes_received", sum(p.bytes_received for p in peers))):
             if n:
                 c[key] = n
         return c
+
+    # ------------------------------------------------------------------ ChannelHost
+    def on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._lead.leader
+
+    def want_write(self, ch: Channel) -> None:
+        self._rx.want_write()
+
+    def broken(self, ch: Channel, cause: str) -> None:
+        self._rx.call_soon(lambda: self.channel_lost(ch, cause))
 
     # ------------------------------------------------------------------ setup
     def listen(self) -> PeerAddress:
@@ -223,8 +209,13 @@ class UnixTransport(Send, Loop):
 
     def start(self) -> None:
         if self._listener is not None:
-            self._sel.register(self._listener.fileno(), READ, ("listen",))
+            self._rx.poller.register(self._listener.fileno(), READ, LISTEN)
         self._thread.start()
+
+    def _run(self) -> None:
+        hb = self.config.heartbeat_interval
+        self._timers.push(time.monotonic() + hb, self._heartbeat)
+        self._lead.main(self._rx.serve)  # runs the loop here, and on the standby when it takes over
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Join: connect to (and be admitted by) every peer with a higher id, wait to admit
@@ -237,31 +228,32 @@ class UnixTransport(Send, Loop):
 
     def _join(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        table = {p.id: _Peer(spec=p) for p in peers if p.id != self.id}
+        table = {p.id: Channel(p, self, self.queue_bytes, self._stats) for p in peers if p.id != self.id}
         self._peers.update(table)
+        self._liveness.add(table)
         assert self._acceptor is not None, "listen() first"
-        self._call_soon(lambda: self._set_group({i: p.spec for i, p in table.items()}))
-        for peer in sorted(table.values(), key=lambda p: p.spec.id):
-            if peer.spec.id < self.id:
+        self._rx.call_soon(lambda: self._set_group({i: p.spec for i, p in table.items()}))
+        for ch in sorted(table.values(), key=lambda p: p.id):
+            if ch.id < self.id:
                 continue
             sock, limit = connect_and_admit(
-                peer.spec, self.id, self.incarnation, self._own_limit(), self.config.secret,
+                ch.spec, self.id, self.incarnation, self._own_limit(), self.config.secret,
                 max(0.0, deadline - time.monotonic()),
             )  # raises AuthenticationFailed / TransportError
-            self._call_soon(lambda peer=peer, sock=sock, limit=limit: self._admitted(peer.spec.id, sock, limit))
+            self._rx.call_soon(lambda ch=ch, sock=sock, limit=limit: self._admitted(ch.id, sock, limit))
         with self._joined:
-            while self._join_error is None and any(p.state == "joining" for p in table.values()):
+            while self._join_error is None and any(p.state is JOINING for p in table.values()):
                 left = deadline - time.monotonic()
                 acc = self._acceptor
                 bad = [p.spec.name for i, p in table.items()
-                       if p.state == "joining" and time.monotonic() - acc.failed.get(i, 1e18) > ACCEPT_GRACE]
+                       if p.state is JOINING and time.monotonic() - acc.failed.get(i, 1e18) > ACCEPT_GRACE]
                 if bad:
                     raise AuthenticationFailed(
                         f"worker {self.name!r} could not authenticate {', '.join(map(repr, bad))} over its same-host "
                         "socket: their answer to the challenge was wrong (a different job secret, or a secret on one "
                         "side only); start every worker with the same RREFRT_SECRET", bad)
                 if left <= 0:
-                    missing = sorted(p.spec.name for p in table.values() if p.state == "joining")
+                    missing = sorted(p.spec.name for p in table.values() if p.state is JOINING)
                     raise TransportError(
                         f"worker {self.name!r} was not joined over its same-host socket by "
                         f"{', '.join(map(repr, missing))} within {timeout:.1f}s"
@@ -277,37 +269,48 @@ class UnixTransport(Send, Loop):
         if d:
             shutil.rmtree(d, ignore_errors=True)
 
+    def _own_limit(self) -> int:
+        """Our max_message_size as admission tells it (a u64 on the wire)."""
+        return max(0, min(self.config.max_message_size, (1 << 64) - 1))
+
+    # ------------------------------------------------------------------ admission (loop thread)
     def _set_group(self, group: dict[int, PeerSpec]) -> None:
-        """Receiver thread: admission can proceed for connections that arrived early."""
+        """Admission can proceed for connections that arrived early."""
         acc = self._acceptor
         assert acc is not None
         acc.set_group(group)
         for c in list(acc.conns.values()):
             self._admission(*acc.advance(c))
 
-    def _own_limit(self) -> int:
-        """Our max_message_size as admission tells it (a u64 on the wire)."""
-        return max(0, min(self.config.max_message_size, (1 << 64) - 1))
+    def on_listener(self) -> None:
+        assert self._acceptor is not None and self._listener is not None
+        for s in self._acceptor.accept(self._listener):
+            self._rx.poller.register(s.fileno(), READ, ("adm", s))
+
+    def on_admission(self, fd: int) -> None:
+        assert self._acceptor is not None
+        self._admission(*self._acceptor.feed(fd))
+
+    def _admission(self, what: str, arg: Any) -> None:
+        if what == "refused":
+            self._rx.poller.unregister(arg.fileno())
+            arg.close()
+        elif what == "admitted":
+            peer_id, sock, limit = arg
+            self._rx.poller.unregister(sock.fileno())
+            self._admitted(peer_id, sock, limit)
 
     def _admitted(self, peer_id: int, sock: socket.socket, limit: int) -> None:
-        """Receiver thread: ``sock`` passed admission for ``peer_id``, whose max_message_size
-        is ``limit``: it carries messages now."""
-        peer = self._peers.get(peer_id)
-        if peer is None or peer.state != "joining" or self._closing:
+        """``sock`` passed admission for ``peer_id``, whose max_message_size is ``limit``: it
+        carries messages now."""
+        ch = self._peers.get(peer_id)
+        if ch is None or ch.state is not JOINING or self.closing:
             sock.close()
             return
-        sock.setblocking(False)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        except OSError:
-            pass
-        peer.sock, peer.reader = sock, unix_wire.Reader(self.config.max_message_size + wire.MAX_HEADER_BYTES)
-        peer.limit = min(self.config.max_message_size, limit)
-        self._min_limit = min(self._min_limit, peer.limit)
-        peer.last_rx = time.monotonic()
-        peer.state = "up"
-        self._by_fd[sock.fileno()] = peer
-        self._sel.register(sock.fileno(), READ, peer)
+        ch.open(sock, self.config.max_message_size + wire.MAX_HEADER_BYTES, min(self.config.max_message_size, limit))
+        self._min_limit = min(self._min_limit, ch.limit)
+        self._liveness.heard(peer_id)
+        self._rx.watch(ch)
         with self._joined:
             self._joined.notify_all()
 
@@ -319,28 +322,28 @@ class UnixTransport(Send, Loop):
         self._check_size(dest, frames)
         msg_id = next(self._ids)
         deadline = time.monotonic() + timeout if timeout > 0 else None
-        p = _Pending(dest, deadline, timeout, on_done)
+        p = Pending(dest, deadline, timeout, on_done)
         if dest == self.id:
             self._self_pending[msg_id] = p
-            self._arm(p, msg_id)
+            self._timers.arm(p, msg_id)
             self._local(kind, msg_id, meta, frames)
             return msg_id
-        peer = self._peers.get(dest)
-        if peer is None or peer.state != "up":
-            cause = (peer.closed and f"its same-host connection was closed: {peer.closed}" or "it was declared dead") \
-                if peer else "it is not a member of this group (or not on this host)"
+        ch = self._peers.get(dest)
+        if ch is None or ch.state is not UP:
+            cause = (ch.closed and f"its same-host connection was closed: {ch.closed}" or "it was declared dead") \
+                if ch else "it is not a member of this group (or not on this host)"
             err = PeerUnavailable(self.peer_name(dest), cause)
-            self._call_soon(lambda: on_done(None, (), err))
+            self._rx.call_soon(lambda: on_done(None, (), err))
             return msg_id
-        peer.pending[msg_id] = p
-        if peer.state == "dead" and peer.pending.pop(msg_id, None) is p:  # it died meanwhile
+        ch.pending[msg_id] = p
+        if ch.state is DEAD and ch.pending.pop(msg_id, None) is p:  # it died meanwhile
             err = PeerUnavailable(self.peer_name(dest), "it was declared dead")
-            self._call_soon(lambda: on_done(None, (), err))
+            self._rx.call_soon(lambda: on_done(None, (), err))
             return msg_id
-        self._arm(p, msg_id)
+        self._timers.arm(p, msg_id)
         # not sent (its deadline passed before the queue had room, the peer died, we close):
         # the request fails by its deadline, the death or the close
-        self._send_app(peer, kind, msg_id, meta, frames, label, deadline)
+        self._send_app(ch, kind, msg_id, meta, frames, label, deadline)
         return msg_id
 
     def send(self, dest: int, kind: int, meta: Any, frames: Sequence[Any] = (), msg_id: int = 0, label: str = "") -> None:
@@ -349,29 +352,38 @@ class UnixTransport(Send, Loop):
         if dest == self.id:
             self._local(kind, msg_id, meta, frames)
             return
-        peer = self._peers.get(dest)
-        if peer is None or peer.state != "up":
+        ch = self._peers.get(dest)
+        if ch is None or ch.state is not UP:
             self._stats["dropped_to_dead"] += 1
             return
-        self._send_app(peer, kind, msg_id, meta, frames, label, None)
+        self._send_app(ch, kind, msg_id, meta, frames, label, None)
 
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
         self.send(dest, wire.RESPONSE, meta, frames, msg_id, label)
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
-        self._push_timer(time.monotonic() + delay, fn)
+        self._timers.push(time.monotonic() + delay, fn)
+
+    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
+        """From ``on_message`` on the receiver thread: run ``task`` on this thread once the
+        loop's iteration is done (NOTE [Inline calls]); False: hand it on yourself."""
+        return self._lead.run_inline(task, fallback)
+
+    def hand_off(self) -> None:
+        """An inline call is about to block: the standby takes the loop over now."""
+        self._lead.hand_off()
 
     def is_alive(self, peer_id: int) -> bool:
         if peer_id == self.id:
             return not self._closed.is_set()
-        peer = self._peers.get(peer_id)
-        return peer is not None and (peer.state != "dead" or bool(peer.closed))
+        ch = self._peers.get(peer_id)
+        return ch is not None and (ch.state is not DEAD or bool(ch.closed))
 
     def is_local(self, peer_id: int) -> bool:
         return peer_id == self.id or peer_id in self._peers
 
     def dead_peers(self) -> set[int]:
-        return {i for i, p in list(self._peers.items()) if p.state == "dead" and not p.closed}
+        return {i for i, p in list(self._peers.items()) if p.state is DEAD and not p.closed}
 
     def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Not supported: the socket file serves the join only (``connect_peers``), so peers
@@ -389,13 +401,13 @@ class UnixTransport(Send, Loop):
     def declare_dead(self, peer_id: int, cause: str) -> None:
         """Fence ``peer_id`` on another's verdict (the composite transport's inner liveness):
         its pending requests fail, its segments are reclaimed (on the receiver thread)."""
-        peer = self._peers.get(peer_id)
-        if peer is not None and peer.state != "dead" and not self._closed.is_set():
-            self._call_soon(lambda: self._declare_dead(peer, cause, own=False))
+        ch = self._peers.get(peer_id)
+        if ch is not None and ch.state is not DEAD and not self._closed.is_set():
+            self._rx.call_soon(lambda: self._fence(ch, cause, own=False))
 
     def peer_name(self, peer_id: int) -> str:
-        peer = self._peers.get(peer_id)
-        return peer.spec.name if peer else ("self" if peer_id == self.id else f"<worker {peer_id}>")
+        ch = self._peers.get(peer_id)
+        return ch.spec.name if ch else ("self" if peer_id == self.id else f"<worker {peer_id}>")
 
     def pending_per_peer(self) -> dict[str, int]:
         return {p.spec.name: len(p.pending) for p in list(self._peers.values())}
@@ -404,72 +416,238 @@ class UnixTransport(Send, Loop):
         """(segments in the pool, segments lent to peers now): for tests and debug info."""
         return self._pool.count(), self._pool.lent()
 
-    # ------------------------------------------------------------------ timers and bell
-    def _arm(self, p: _Pending, msg_id: int) -> None:
-        """NOTE [Deadline buckets]: a request's deadline used to be one timer-heap entry (a
-        closure) that stayed until it fell due, answered or not: at 10,000 calls/s with a
-        120 s timeout, over a million live entries, each push O(log n) under the timer lock,
-        and a heap the garbage collector scanned again and again. Now requests are grouped
-        by deadline in ``_TICK`` slices: one timer per slice, and an answered request leaves
-        its slice at once (``_disarm``). A timeout fires at most ``_TICK`` late, never early."""
-        if p.deadline is None:
+    def queued_bytes(self, peer_id: int) -> int:
+        """Bytes queued for ``peer_id`` and not yet written (NOTE [Send queue bound])."""
+        ch = self._peers.get(peer_id)
+        return ch.qbytes if ch is not None else 0
+
+    # ------------------------------------------------------------------ sending
+    def _check_usable(self) -> None:
+        if _PID != self._pid:
+            raise AgentClosed(f"the transport of worker {self.name!r} was created in another process (fork)")
+        if self.closing:
+            raise AgentClosed(f"the transport of worker {self.name!r} is closed")
+
+    def _check_size(self, dest: int, frames: Sequence[Any]) -> None:
+        """MessageTooLarge if ``frames`` exceed the limit of ``dest`` (the smaller of ours and
+        the one it told at admission). ``_min_limit`` is the smallest of all: a message under
+        it needs no look-up."""
+        if not frames:
             return
-        b = p.bucket = int(p.deadline / _TICK) + 1
-        wake = False
-        with self._tlock:
-            bucket = self._buckets.get(b)
-            if bucket is None:
-                bucket = self._buckets[b] = {}
-                due = b * _TICK
-                heapq.heappush(self._timers, (due, next(self._ids), lambda: self._expire_bucket(b)))
-                wake = due < self._next_wake
-            bucket[msg_id] = p
-        if wake:
-            self._ring()
+        if len(frames) == 1 and type(frames[0]) is bytes:  # the common case: one small frame
+            if len(frames[0]) <= self._min_limit:
+                return
+        total = sum(f.nbytes if isinstance(f, memoryview) else len(f) if isinstance(f, (bytes, bytearray))
+                    else memoryview(f).nbytes for f in frames)
+        if total <= self._min_limit:
+            return
+        own = self.config.max_message_size
+        ch = self._peers.get(dest) if dest != self.id else None
+        limit = ch.limit if ch is not None and ch.limit else own
+        if total > limit:
+            whose = "" if limit == own else f" of worker {self.peer_name(dest)!r}"
+            raise MessageTooLarge(f"message of {total} bytes exceeds the limit{whose} of {limit} bytes")
 
-    def _disarm(self, p: _Pending, msg_id: int) -> None:
-        """The request was answered: it leaves its deadline bucket (receiver thread)."""
-        bucket = self._buckets.get(p.bucket)
-        if bucket is not None:
-            bucket.pop(msg_id, None)
-
-    def _expire_bucket(self, b: int) -> None:
-        """Receiver thread: a deadline slice fell due; whatever is still in it timed out."""
-        with self._tlock:
-            bucket = self._buckets.pop(b, None)
-        if bucket:
-            for msg_id, p in bucket.items():
-                self._guard(lambda p=p, msg_id=msg_id: self._expire(p, msg_id))  # one bad entry must not stop the rest
-
-    def _push_timer(self, due: float, fn: Callable[[], None]) -> None:
-        with self._tlock:
-            heapq.heappush(self._timers, (due, next(self._ids), fn))
-            wake = due < self._next_wake
-        if wake:
-            self._ring()
-
-    def _ring(self) -> None:
-        if not self._bell_rung:
-            self._bell_rung = True
-            try:
-                os.eventfd_write(self._bell, 1)
-            except OSError:
-                pass
-
-    def _call_soon(self, fn: Callable[[], None]) -> None:
-        self._calls.append(fn)
-        self._ring()
+    def _send_app(
+        self, ch: Channel, kind: int, msg_id: int, meta: Any, frames: Sequence[Any], label: str,
+        deadline: float | None,
+    ) -> bool:
+        """Write or queue one message of the runtime's; False: not sent (the peer is gone, the
+        transport closed, or ``deadline`` passed before the queue had room)."""
+        hook = self.fault_hook
+        if hook is not None:
+            bufs = unix_wire.encode(kind, msg_id, meta, [bytes(memoryview(f).cast("B")) for f in frames])
+            if ch.qbytes and not ch.room_for(sum(map(len, bufs)), deadline):
+                return False
+            for delay in hook(ch.id, label):
+                if delay <= 0:
+                    ch.write(bufs)
+                else:
+                    self._timers.push(time.monotonic() + delay, lambda: ch.write(bufs))
+            self._n_sent += 1
+            return True
+        if not frames or (
+            len(frames) == 1 and type(frames[0]) is bytes and (n := len(frames[0])) < unix_wire.SMALL_FRAME
+            and (n < self.shm_threshold or not self.shm_threshold)
+        ):  # the common case (a call or an answer): nothing for shared memory, nothing to cast
+            bufs = unix_wire.encode(kind, msg_id, meta, frames)
+            if ch.qbytes and not ch.room_for(len(bufs[0]), deadline):
+                return False
+            ok = ch.write(bufs, (), deadline)
+            self._n_sent += ok
+            return ok
+        views = [f if isinstance(f, bytes) else memoryview(f).cast("B") for f in frames]
+        flags = [bool(self.shm_threshold) and len(v) >= self.shm_threshold for v in views]
+        if ch.qbytes and not ch.room_for(sum(len(v) for v, f in zip(views, flags) if not f), deadline):
+            return False
+        if not any(flags):
+            ok = ch.write(unix_wire.encode(kind, msg_id, meta, views), (), deadline)
+            self._n_sent += ok
+            return ok
+        big = [v for v, f in zip(views, flags) if f]
+        offsets, used = shm.layout([len(v) for v in big])
+        seg = self._pool.acquire(used, ch.id)
+        dst = memoryview(seg.map)
+        for o, v in zip(offsets, big):
+            dst[o : o + len(v)] = v  # the one copy of a large frame
+        dst.release()
+        attach = ch.id not in seg.known_by
+        seg.known_by.add(ch.id)
+        self._stats["shm_frames_sent"] += len(big)
+        bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags))
+        if not ch.write(bufs, (seg.fd,) if attach else (), deadline):
+            self._pool.peer_gone(ch.id)
+            return False
+        self._n_sent += 1
+        return True
 
     def _local(self, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
         snap = [bytes(memoryview(f).cast("B")) for f in frames]
-        self._call_soon(lambda: self._dispatch(None, kind, msg_id, meta, snap))
+        self._rx.call_soon(lambda: self._rx.dispatch(None, kind, msg_id, meta, snap))
 
-    def _expire(self, p: _Pending, msg_id: int) -> None:
+    def _expire(self, p: Pending, msg_id: int) -> None:
+        """Loop thread: ``p``'s deadline passed unanswered."""
         table = self._self_pending if p.dest == self.id else self._peers[p.dest].pending
         if table.get(msg_id) is p:
             del table[msg_id]
             self._stats["requests_timed_out"] += 1
             p.finish(None, (), RequestTimeout(self.peer_name(p.dest), p.timeout))
+
+    # ------------------------------------------------------------------ liveness (loop thread)
+    def _heartbeat(self) -> None:
+        """PING every peer that has no traffic under way (NOTE [Unix liveness]); feed the
+        time of each peer's last byte to the liveness table and act on its verdicts."""
+        now = time.monotonic()
+        cfg = self.config
+        table = self._liveness
+        ping = unix_wire.encode(wire.PING, 0, None, ())
+        up = [ch for ch in list(self._peers.values()) if ch.state is UP]
+        if self.judge_silence:  # else another transport judges silence (transport/auto.py, Rule 3)
+            for ch in up:
+                if now - ch.last_rx > cfg.heartbeat_timeout and ch.bytes_waiting():
+                    ch.last_rx = now  # bytes the loop has not read yet are life too (an EOF: the read says so)
+                table.heard(ch.id, at=ch.last_rx)
+            for v in table.tick():
+                ch = self._peers[v.peer]
+                if ch.state is UP:
+                    self._fence(ch, f"no byte arrived from it for over {cfg.heartbeat_timeout:.1f}s (stopped or hung)")
+        for ch in up:
+            if ch.state is UP and ch.idle():  # traffic already under way proves us alive
+                ch.write(ping)
+        self._rx.watch_writes()
+        for what, sock in self._acceptor.expire(now) if self._acceptor else ():
+            self._admission(what, sock)
+        interval = min(cfg.heartbeat_interval, cfg.heartbeat_timeout / 3)
+        self._timers.push(now + interval, self._heartbeat)
+
+    def channel_lost(self, ch: Channel, cause: str) -> None:
+        """ReceiverHost: EOF, a failed read or write: ``ch``'s process is gone."""
+        self._fence(ch, cause)
+
+    def _fence(self, ch: Channel, cause: str, own: bool = True) -> None:
+        """Fence ``ch``'s peer, fail its requests, reclaim its segments. ``own``: on this
+        transport's evidence, not another's verdict (then ``on_verdict`` spreads it, unless
+        the peer said BYE)."""
+        if ch.state is DEAD:
+            return
+        joining = ch.state is JOINING
+        ch.state = DEAD
+        self._liveness.declare(ch.id, cause)
+        if joining:
+            return
+        level = logging.INFO if ch.bye else logging.WARNING  # an orderly close is no alarm
+        log.log(level, "worker %r declared dead by %r: %s", ch.spec.name, self.name, cause)
+        self._stats["peers_declared_dead"] += 1
+        self._teardown(ch, PeerUnavailable(ch.spec.name, cause))
+        guard(lambda: self._on_peer_dead(ch.id, cause))
+        on_verdict = self.on_verdict
+        if own and not ch.bye and on_verdict is not None:
+            guard(lambda: on_verdict(ch.id, cause))
+
+    def close_connection(self, ch: Channel, cause: str, tell: bool) -> None:
+        """ReceiverHost: NOTE [Protocol errors]. Close ``ch``'s connection - its record is
+        final, as for a death - without judging the peer: no ``on_peer_dead``; ``on_closed``
+        tells the composite transport to reach it over its inner one. ``tell``: we read the
+        error, so say CLOSE first (best effort: its EOF alone would read as our death)."""
+        if ch.state is not UP:
+            return
+        if tell:
+            self._stats["protocol_errors"] += 1
+            ch.write(unix_wire.encode(unix_wire.CLOSE, 0, [cause], ()))  # never waits (NOTE [Send queue bound])
+        else:
+            self._stats["connections_closed_by_peer"] += 1
+        ch.state, ch.closed = DEAD, cause
+        log.warning(
+            "worker %r closed its same-host connection with worker %r: %s; the peer is not judged dead "
+            "(its liveness is the inner transport's)", self.name, ch.spec.name, cause,
+        )
+        self._teardown(ch, PeerUnavailable(ch.spec.name, f"its same-host connection was closed: {cause}"))
+        on_closed = self.on_closed
+        if on_closed is not None:
+            guard(lambda: on_closed(ch.id, cause))
+
+    def _teardown(self, ch: Channel, err: PeerUnavailable) -> None:
+        """``ch``'s connection is over (its state is set already): stop reading it, close
+        it, fail its requests with ``err``, reclaim its segments."""
+        self._rx.unwatch(ch)
+        ch.close_socket()
+        ch.drop_queue()
+        self._rx.forget(self._pool.peer_gone(ch.id))
+        ch.release_received()
+        pending, ch.pending = ch.pending, {}
+        for p in pending.values():
+            guard(lambda p=p: p.finish(None, (), err))
+
+    # ------------------------------------------------------------------ close
+    def close(self, timeout: float = 2.0) -> None:
+        """Say BYE, stop the receiver thread, fail every pending request. Never hangs."""
+        if os.getpid() != self._pid or self._closed.is_set():
+            return
+        bye = unix_wire.encode(unix_wire.BYE, 0, None, ())
+        for ch in list(self._peers.values()):
+            if ch.state is UP:
+                ch.write(bye)
+        self.closing = True
+        if self.on_loop_thread():
+            return  # called from a callback: the receiver thread shuts down when it returns
+        if self._thread.ident is None:
+            self.shutdown()
+            return
+        self._rx.bell.ring()
+        # the loop may have moved to the standby thread (NOTE [Inline calls]): wait for it
+        # to finish shutting down rather than for the thread the loop started on
+        if not self._closed.wait(timeout):
+            log.error("receiver thread of %r did not stop within %.1fs; abandoning it", self.name, timeout)
+            self._fail_all()
+
+    def _fail_all(self) -> None:
+        err = AgentClosed(f"the transport was shut down (worker {self.name!r})")
+        tables = [p.pending for p in list(self._peers.values())] + [self._self_pending]
+        for table in tables:
+            for msg_id in list(table):
+                p = table.pop(msg_id, None)
+                if p is not None:
+                    guard(lambda p=p: p.finish(None, (), err))
+
+    def shutdown(self) -> None:
+        """ReceiverHost: the loop ended; release everything, fail what waits."""
+        self.closing = True
+        self._fail_all()
+        for ch in list(self._peers.values()):
+            ch.state = DEAD
+            ch.close_socket(shutdown_only_if_busy=False)
+            ch.release_received()
+        if self._acceptor is not None:
+            for c in list(self._acceptor.conns.values()):
+                c.sock.close()
+            self._acceptor.conns.clear()
+        if self._listener is not None:
+            self._listener.close()
+        self._unlink()
+        self._pool.close()
+        self._lead.close()
+        self._rx.close()
+        self._closed.set()
 
 
 def _factory(config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> UnixTransport:
