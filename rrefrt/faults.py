@@ -2,7 +2,7 @@
 messages a worker sends, by label.
 
 Owns: ``FaultPlan`` and its installation on the current runtime (the transport's
-``fault_hook``, see NOTE [Fault injection] in transport/zmq/send.py). A plan is picklable, so a test installs it on any worker with
+``fault_hook``, see NOTE [Fault injection] in transport/zmq/agent.py). A plan is picklable, so a test installs it on any worker with
 ``rpc_sync(worker, rrefrt.faults.install, args=(plan,))``.
 
 Labels are message kinds (``PYTHON_CALL``, ``PYTHON_REMOTE``, ``REMOTE_RET``, ``RREF_FETCH``,

@@ -1,4 +1,4 @@
-"""Transport.add_peers / remove_peer of the zmq transport (transport/zmq/mesh.py): a running
+"""Transport.add_peers / remove_peer of the zmq transport (NOTE [Mesh changes] in transport/zmq/mesh.py): a running
 mesh meets later peers, drops a departed one quietly, and takes a new incarnation of its id.
 Real sockets on 127.0.0.1; the transports live in this process (only ``transport`` is
 imported). Every wait is bounded."""

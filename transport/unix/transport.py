@@ -54,7 +54,7 @@ Rules:
    itself stopped or starved, it re-reads its peers before judging any by silence). Dead peers stay fenced: their requests fail with
    PeerUnavailable, their late bytes are never read.
 5. Fault injection: ``fault_hook`` has the semantics of NOTE [Fault injection] in
-   ``rrefrt_transport.zmq.send``; while a hook is installed every frame travels inline (no segment
+   ``rrefrt_transport.zmq.agent``; while a hook is installed every frame travels inline (no segment
    is lent twice by a duplicated message).
 6. NOTE [Protocol errors]: a connection that breaks the framing (a message prefix out of
    bounds, a shared-memory segment it never sent) is closed - counted as

@@ -2,12 +2,13 @@
 
 Owns: the data socket, endpoint choice (``listen``), the join (HELLO exchange), the receive
 path (response correlation, dispatch to ``on_message``), peer death and fencing on the data
-loop, and the close sequence. The send path (size checks, lent frames, a request's
-registration and deadline, the fault hook, backlogs of messages not yet routable) is
-``rrefrt_transport.zmq.send`` (``SendPath``, a base class of ``ZmqTransport``). Liveness lives in
-``rrefrt_transport.zmq.heartbeat`` (its own socket and thread) and ``rrefrt_transport.liveness`` (the table);
-the join's authentication policy in ``rrefrt_transport.zmq.joinpolicy``; the mesh's plan and changes in
-``rrefrt_transport.zmq.mesh``; the loop in ``rrefrt_transport.zmq.loop``. Registered as ``"zmq"``.
+loop, the changes to a running mesh (NOTE [Mesh changes] in ``rrefrt_transport.zmq.mesh``,
+which plans who connects to whom), the send path (NOTE [Send path] below) and the close
+sequence. Its collaborators, one object each: the heartbeat (``rrefrt_transport.zmq.heartbeat``,
+its own socket and thread) with the liveness table (``rrefrt_transport.liveness``), the echo
+(``rrefrt_transport.zmq.echo``), the join's authentication policy
+(``rrefrt_transport.zmq.joinpolicy``), CURVE (``rrefrt_transport.zmq.security``) and the loop
+(``rrefrt_transport.zmq.loop``). Registered as ``"zmq"``.
 
 Rules:
 
@@ -55,38 +56,56 @@ past the heartbeat timeout, say) can never complete the join (its HELLOs are dro
 answered FENCED): ``connect_peers`` raises ``Fenced`` at once, naming who expelled it, rather
 than time out blaming the peers that refused it ("could not reach 'w26', 'w27'").
 
-NOTE [Fault injection] (``fault_hook``) is in ``rrefrt_transport.zmq.send``.
+NOTE [Send path]: ``request`` / ``send`` / ``respond`` run on any thread: they check the
+size (Rule 5) and the header, lend large frames (NOTE [Lent frames] in
+``rrefrt_transport.zmq.lend``) and hand the message to the data loop, which registers a
+request in its peer's pending table with its deadline timer, fails a request once, passes
+the fault hook, keeps a per-peer backlog of messages not yet routable and sends without
+blocking.
+
+NOTE [Fault injection]: tests install ``fault_hook`` to drop, delay, duplicate or reorder
+(delay one so later ones overtake) outgoing messages by label. It sits after a request is
+registered, so a dropped request still fails at its deadline, exactly like a lost one.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import logging
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from rrefrt_transport import base
 
-from rrefrt_transport.zmq import security
+from rrefrt_transport.zmq import lend, mesh, security
 
 from rrefrt_transport import wire
 
-from rrefrt_transport.zmq import mesh as zmqmesh
-from rrefrt_transport.base import OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig
-from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, Fenced, PeerUnavailable, TransportError
+from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig
+from rrefrt_transport.errors import (
+    AgentClosed,
+    AuthenticationFailed,
+    Fenced,
+    MessageTooLarge,
+    PeersUnreachable,
+    PeerUnavailable,
+    RequestTimeout,
+    TransportError,
+)
 from rrefrt_transport.zmq.echo import Echo
 from rrefrt_transport.zmq.heartbeat import PROBE_S, Heartbeat
 from rrefrt_transport.hosts import IpcDir, host_id
 from rrefrt_transport.zmq.joinpolicy import JoinPolicy
 from rrefrt_transport.liveness import LivenessTable, PeerState, Verdict
-from rrefrt_transport.zmq.records import Pending as _Pending, Peer as _Peer
+from rrefrt_transport.zmq.records import ZERO_COPY_MIN, Pending, Peer, nbytes
 from rrefrt_transport.zmq.loop import IOLoop, LoopClosed
-from rrefrt_transport.zmq.send import SendPath
 from rrefrt_transport.zmq.mesh import ECHO, LIVE  # suffixes of the heartbeat / echo endpoints in a PeerAddress
 
 log = logging.getLogger("rrefrt.transport")
@@ -94,9 +113,8 @@ log = logging.getLogger("rrefrt.transport")
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 
 
-class ZmqTransport(SendPath):
-    """``rrefrt_transport.base.Transport`` over ZeroMQ (see the module docstring); the send path
-    (``request``, ``send``, ``respond`` and what they run on the data loop) is ``SendPath``."""
+class ZmqTransport:
+    """``rrefrt_transport.base.Transport`` over ZeroMQ (see the module docstring)."""
 
     def __init__(self, config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> None:
         self.config = c = config
@@ -115,12 +133,12 @@ class ZmqTransport(SendPath):
             raise ValueError(f"the CURVE keys are those of rank {auth.rank}, not of worker id {c.worker_id}")
         self._auth: security.CurveAuth | None = auth
         self.host = host_id()
-        self._peers: dict[int, _Peer] = {}  #: worker id -> peer (data loop only after start)
+        self._peers: dict[int, Peer] = {}  #: worker id -> peer (data loop only after start)
         self._peer_max: dict[int, int] = {}  #: worker id -> its max_message_size (from HELLO)
         self._local: dict[int, bool] = {}  #: worker id -> same host
         self._names: dict[int, str] = {}
         self._adding: dict[int, int] = {}  #: id -> incarnation: add_peers issued, setup not yet run
-        self._self_pending: dict[int, _Pending] = {}  #: msg_id -> request sent to ourselves
+        self._self_pending: dict[int, Pending] = {}  #: msg_id -> request sent to ourselves
         self._all_up = threading.Event()
         self._closed = threading.Event()
         self._closing = False
@@ -146,7 +164,7 @@ class ZmqTransport(SendPath):
         self._echo = Echo(self._ctx, c.worker_id, auth)
         self._loop = IOLoop(f"rrefrt-io-{c.name}", self.stats, self._shutdown_data)
         self._loop.register(self._sock, self._recv_all)
-        self._loop.register(self._monitor, lambda: zmqmesh.read_monitor(self))
+        self._loop.register(self._monitor, self._read_monitor)
         if self._zap is not None:
             self._loop.register(self._zap.socket, self._zap.serve)
         self._loop.wake_hint = self._wake_hint
@@ -197,8 +215,8 @@ class ZmqTransport(SendPath):
         AuthenticationFailed naming those that fail the handshake (NOTE [Handshake failures]),
         or at once ``Fenced`` naming the member that expelled this worker meanwhile."""
         self._check_usable()
-        plan = zmqmesh.plan(self, peers)
-        self._loop.call_soon(lambda: zmqmesh.setup(self, plan))
+        plan = self._plan(peers)
+        self._loop.call_soon(lambda: self._setup(plan))
         self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan])
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
@@ -210,8 +228,49 @@ class ZmqTransport(SendPath):
             raise TransportError(f"worker {self.name!r} could not reach {missing or 'its peers'} within {timeout:.1f}s")
 
     def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
-        """Peers that joined a running group (transport/zmq/mesh.py)."""
-        zmqmesh.add_peers(self, peers, timeout)
+        """Peers that joined a running group (NOTE [Mesh changes])."""
+        self._check_usable()
+        known = {i: p.spec.incarnation for i, p in list(self._peers.items())} | self._adding
+        fresh = [s for s in peers if s.id != self.id and known.get(s.id) != s.incarnation]
+        if fresh:  # peers already added (the same incarnation) are only waited for
+            steps = self._plan(fresh)
+            self._adding.update({s.id: s.incarnation for s in fresh})
+            self._join_error = None
+            self._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
+            self._loop.call_soon(lambda: self._setup(steps))
+            self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps])
+        if timeout <= 0:
+            return
+        deadline = time.monotonic() + timeout
+        ids = {s.id for s in peers if s.id != self.id}
+        while True:
+            pending = [p for p in list(self._peers.values()) if p.spec.id in ids and not self._is_up(p)
+                       and self.table.state(p.spec.id) is not PeerState.DEAD]
+            if self._join_error is not None:
+                raise self._join_error
+            left = deadline - time.monotonic()
+            if not pending and all(i in self._peers for i in ids):
+                return
+            if left <= 0:
+                late = {p.spec.id for p in pending} | (ids - set(self._peers))
+                names = sorted(s.name for s in peers if s.id in late)
+                raise PeersUnreachable(
+                    f"worker {self.name!r} could not reach {', '.join(map(repr, names))} within {timeout:.1f}s", sorted(late))
+            self._all_up.wait(min(left, 0.05))
+
+    def remove_peer(self, peer_id: int, cause: str) -> None:
+        """A member left or was evicted (NOTE [Mesh changes] (2)): declared dead here, quietly."""
+        if peer_id == self.id or self._closing:
+            return
+        self._hb.forget(peer_id, cause)
+
+        def detach() -> None:
+            self._disconnect(peer_id)
+
+        try:
+            self._loop.call_soon(detach)
+        except Exception:  # closed: nothing to detach
+            pass
 
     def declare_dead(self, peer_id: int, cause: str) -> None:
         """Another transport's verdict (the composite's same-host path saw the process go):
@@ -221,10 +280,6 @@ class ZmqTransport(SendPath):
             self._hb.loop.call_soon(lambda: self._hb.declare(peer_id, cause))
         except LoopClosed:
             pass
-
-    def remove_peer(self, peer_id: int, cause: str) -> None:
-        """A member left or was evicted (transport/zmq/mesh.py, Rule 2)."""
-        zmqmesh.remove_peer(self, peer_id, cause)
 
     # ------------------------------------------------------------------ API (any thread)
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
@@ -309,7 +364,7 @@ class ZmqTransport(SendPath):
         except LoopClosed:
             raise AgentClosed(f"the transport of worker {self.name!r} is closed") from None
 
-    def _is_up(self, peer: _Peer) -> bool:
+    def _is_up(self, peer: Peer) -> bool:
         return peer.joined and self.table.state(peer.spec.id) is not PeerState.JOINING
 
     def _wake_join(self) -> None:
@@ -375,7 +430,7 @@ class ZmqTransport(SendPath):
                 continue
             self._deliver(peer.spec.id, msg[1:], peer)
 
-    def _deliver(self, src: int, frames: list, peer: _Peer | None = None) -> None:
+    def _deliver(self, src: int, frames: list, peer: Peer | None = None) -> None:
         if len(frames) < 1 or len(frames) > wire.MAX_FRAMES + 1:
             self.stats["bad_frames_dropped"] += 1
             return
@@ -470,6 +525,211 @@ class ZmqTransport(SendPath):
         self._fail_everything(self._fenced or AgentClosed(f"the transport was shut down (worker {self.name!r})"))
         self._monitor.close(0)
         self._sock.close(int(self.config.linger * 1000))
+
+    # ------------------------------------------------------------------ the mesh (NOTE [Mesh changes])
+    def _plan(self, peers: Sequence[PeerSpec]) -> mesh.Plan:
+        """The endpoints to use for each peer (``mesh.plan``); records names and locality
+        (read by any thread)."""
+        steps = mesh.plan(self.id, self.host, self.config.same_host, self._ipc is not None,
+                          self._auth.world_size if self._auth is not None else None, peers)
+        for spec, local, _, _, _ in steps:
+            self._local[spec.id], self._names[spec.id] = local, spec.name
+        return steps
+
+    def _setup(self, steps: mesh.Plan) -> None:
+        """Data loop: a peer record per peer (replacing a departed incarnation, NOTE [Mesh
+        changes] (3)), connect the data socket where we connect (its rule 1)."""
+        now = time.monotonic()
+        self._policy.started_at = now
+        for spec, local, data, _, _ in steps:
+            self._adding.pop(spec.id, None)
+            old = self._peers.get(spec.id)
+            if old is not None:  # NOTE [Mesh changes] (3): what still waits on the old incarnation fails now
+                pending, old.pending = list(old.pending.values()), {}
+                for p in pending:
+                    self._fail(p, PeerUnavailable(old.spec.name, "it left the group (a new incarnation of its id joined)"))
+                self._disconnect(spec.id)
+                if self.table.state(spec.id) is PeerState.DEAD:  # before the heartbeat thread's own
+                    self.table.replace(spec.id)  # replace: the dead verdict must not count it as up
+            self._peers[spec.id] = Peer(spec, wire.routing_id(spec.id), local, hello_due=now)
+            if data is not None:
+                if self._auth is not None:  # NOTE [Authentication], Rule 2 (rrefrt_transport.zmq.security)
+                    security.configure_client(self._sock, self._auth, spec.id)
+                self._policy.connects[data] = (spec.id, spec.name)
+                self._sock.connect(data)
+        self._check_all_up()
+
+    def _disconnect(self, peer_id: int) -> None:
+        for ep, (pid, _) in list(self._policy.connects.items()):
+            if pid == peer_id:
+                del self._policy.connects[ep]
+                try:
+                    self._sock.disconnect(ep)
+                except Exception:  # already gone (libzmq forgot it): nothing to stop
+                    pass
+
+    def _read_monitor(self) -> None:
+        """Data loop: the data socket's monitor events - the handshakes of the join, judged by
+        the join policy (``rrefrt_transport.zmq.joinpolicy``)."""
+        while True:
+            try:
+                ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            event, endpoint = int(ev["event"]), ev["endpoint"].decode(errors="replace")
+            if event & security.HANDSHAKE_FAILED:
+                pid = self._policy.connects.get(endpoint, (None, ""))[0]
+                peer = self._peers.get(pid) if pid is not None else None
+                err = self._policy.failed(endpoint, event, int(ev["value"]), not self._all_up.is_set(),
+                                          peer is not None and not peer.joined, time.monotonic())
+                if err is not None:
+                    self._fail_join(err)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._policy.succeeded(endpoint)
+
+    # ------------------------------------------------------------------ the send path (NOTE [Send path])
+    def request(
+        self, dest: int, kind: int, meta: Any, frames: Sequence[Any], timeout: float, on_done: OnDone,
+        label: str = "",
+    ) -> int:
+        """Send a request; ``on_done`` runs once, on the data loop, with the response or an
+        error. ``timeout`` <= 0 means no deadline (still bounded by peer death). ``label``
+        names the message for the fault hook (tests). Once this worker was fenced, the
+        request is accepted and fails through ``on_done`` with ``Fenced``, like those
+        pending at that moment."""
+        self._check_usable(fenced_ok=True)
+        self._check_size(dest, frames)
+        msg_id = next(self._ids)
+        out = self._prepare(dest, self._header(kind, msg_id, meta), frames)
+        pending = Pending(dest, msg_id, timeout, on_done)
+        self._schedule(lambda: self._issue(pending, out, label))
+        self._await_lent(out, dest, time.monotonic() + timeout if timeout > 0 else None)
+        return msg_id
+
+    def send(self, dest: int, kind: int, meta: Any, frames: Sequence[Any] = (), msg_id: int = 0, label: str = "") -> None:
+        """Send a one-way message (or a RESPONSE when kind is wire.RESPONSE)."""
+        self._check_usable()
+        self._check_size(dest, frames)
+        out = self._prepare(dest, self._header(kind, msg_id, meta), frames)
+        self._schedule(lambda: self._send_faulty(dest, out, label))
+        self._await_lent(out, dest, None)
+
+    def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
+        self.send(dest, wire.RESPONSE, meta, frames, msg_id, label)
+
+    def _check_size(self, dest: int, frames: Sequence[Any]) -> None:
+        size = sum(nbytes(f) for f in frames)
+        limit = min(self.config.max_message_size, self.peer_limit(dest))
+        if size > limit:
+            whose = "" if limit == self.config.max_message_size else f" of worker {self.peer_name(dest)!r}"
+            raise MessageTooLarge(f"message of {size} bytes exceeds the limit{whose} of {limit} bytes")
+
+    def _prepare(self, dest: int, header: bytes, frames: Sequence[Any]) -> list[Any]:
+        """NOTE [Lent frames] in rrefrt_transport.zmq.lend: large buffers lent, small ones copied."""
+        out, self.stats["bytes_lent"] = lend.prepare(
+            [header, *frames], dest == self.id or self.fault_hook is not None or self._loop.in_loop(),
+            self.stats["bytes_lent"])
+        return out
+
+    def _await_lent(self, msg: list[Any], dest: int, deadline: float | None) -> None:
+        if not isinstance(msg, lend.Lent):
+            return
+        gone = lambda: self._closing or self._fenced is not None or self.table.state(dest) is PeerState.DEAD  # noqa: E731
+        if not lend.await_release(msg, gone, deadline):
+            self.stats["lent_unreleased"] += 1  # Rule 3: a peer that stopped reading mid-message
+
+    @staticmethod
+    def _header(kind: int, msg_id: int, meta: Any) -> bytes:
+        head = wire.encode_header(kind, msg_id, meta)
+        if len(head) > wire.MAX_HEADER_BYTES:  # the receiver would drop it without a word
+            raise MessageTooLarge(f"message header of {len(head)} bytes exceeds the limit of {wire.MAX_HEADER_BYTES} bytes")
+        return head
+
+    # ------------------------------------------------------------------ data loop thread
+    def _fail(self, p: Pending, err: BaseException) -> None:
+        if not p.done:
+            p.done = True
+            self._loop.guard(p.on_done, "on_done", None, (), err)
+
+    def _issue(self, p: Pending, frames: list, label: str) -> None:
+        if self._closing or self._fenced is not None:
+            lend.drop(frames)
+            self._fail(p, self._fenced or AgentClosed(f"the transport was shut down (worker {self.name!r})"))
+            return
+        if p.dest != self.id:
+            peer = self._peers.get(p.dest)
+            if peer is None or self.table.state(p.dest) is PeerState.DEAD:
+                lend.drop(frames)
+                cause = self.table.cause(p.dest) or "it was declared dead" if peer else "it is not a member of this group"
+                self._fail(p, PeerUnavailable(self.peer_name(p.dest), cause))
+                return
+        table = self._peers[p.dest].pending if p.dest != self.id else self._self_pending
+        table[p.msg_id] = p
+        if p.timeout > 0:
+            # the timer holds the id, never the request: a completed request's on_done (and
+            # whatever its future holds, a traceback with RRefs, say) must not live on until
+            # the deadline
+            self._loop.call_later(p.timeout, lambda t=table, m=p.msg_id: self._expire(t, m))
+        self._send_faulty(p.dest, frames, label)
+
+    def _expire(self, table: dict[int, Pending], msg_id: int) -> None:
+        p = table.pop(msg_id, None)
+        if p is not None:
+            self.stats["requests_timed_out"] += 1
+            self._fail(p, RequestTimeout(self.peer_name(p.dest), p.timeout))
+
+    def _send_faulty(self, dest: int, frames: list, label: str) -> None:
+        """Send through the fault hook, when one is installed (NOTE [Fault injection])."""
+        hook = self.fault_hook
+        if hook is None or isinstance(frames, lend.Lent):  # lent: prepared before the hook came
+            self._send(dest, frames)
+            return
+        for delay in hook(dest, label):
+            if delay <= 0:
+                self._send(dest, frames)
+            else:
+                self._loop.call_later(delay, lambda: self._send(dest, frames))
+
+    def _send(self, dest: int, frames: list) -> None:
+        if dest == self.id:
+            self._deliver(dest, [bytes(f) if not isinstance(f, bytes) else f for f in frames])
+            return
+        peer = self._peers.get(dest)
+        if peer is None or self.table.state(dest) is PeerState.DEAD:
+            self.stats["dropped_to_dead"] += 1
+            lend.drop(frames)
+            return
+        if peer.backlog or not peer.joined or not self._try_send(peer, frames):
+            peer.backlog.append(frames)
+
+    def _try_send(self, peer: Peer, frames: list) -> bool:
+        parts = lend.begin(frames) if isinstance(frames, lend.Lent) else None  # NOTE [Lent frames]
+        if parts == []:  # its sender gave up on it (lend Rule 3)
+            return True
+        small = parts is None and all((f.nbytes if isinstance(f, memoryview) else len(f)) < ZERO_COPY_MIN for f in frames)
+        size = sum(nbytes(f) for f in frames)
+        try:
+            self._sock.send_multipart([peer.rid, *(frames if parts is None else parts)], flags=_NOBLOCK, copy=small)
+        except zmq.ZMQError as e:
+            if parts is not None:
+                lend.finish(frames, parts, False)  # type: ignore[arg-type]
+            if e.errno in (errno.EHOSTUNREACH, errno.EAGAIN):
+                return False
+            raise
+        if parts is not None:
+            lend.finish(frames, parts, True)  # type: ignore[arg-type]
+        self.stats["messages_sent"] += 1
+        self.stats["bytes_sent"] += size
+        return True
+
+    def _flush_backlog(self, peer: Peer) -> None:
+        while peer.backlog and peer.joined:
+            if not self._try_send(peer, peer.backlog[0]):
+                return
+            peer.backlog.popleft()
+
+    def _hello(self, kind: int) -> list[bytes]:
+        return [wire.encode_header(kind, 0, [self.incarnation, self.name, self.config.max_message_size])]
 
 
 def _factory(config: TransportConfig, on_message: OnMessage, on_peer_dead: OnPeerDead) -> ZmqTransport:
