@@ -179,6 +179,7 @@ class ZmqTransport(SendPath):
             eps["ipc"] = self._bind_data(self._ipc.endpoint("d"))
             eps["ipc" + LIVE] = self._hb.bind(self._ipc.endpoint("l"))
             eps["ipc" + ECHO] = self._echo.bind(self._ipc.endpoint("e"))
+        self._hb.watch_self(eps.get("ipc" + ECHO) or eps["tcp" + ECHO])  # its own liveness (liveness Rule 5)
         return PeerAddress(self.host, eps)
 
     def _bind_data(self, endpoint: str) -> str:
@@ -199,7 +200,7 @@ class ZmqTransport(SendPath):
         self._check_usable()
         plan = zmqmesh.plan(self, peers)
         self._loop.call_soon(lambda: zmqmesh.setup(self, plan))
-        self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan])
+        self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan], timeout)
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
             raise self._join_error

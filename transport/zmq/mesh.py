@@ -117,7 +117,8 @@ def add_peers(t: "ZmqTransport", peers: Sequence[PeerSpec], timeout: float) -> N
         t._join_error = None
         t._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
         t._loop.call_soon(lambda: setup(t, steps))
-        t._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps])
+        t._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps],
+                   timeout if timeout > 0 else None)
     if timeout <= 0:
         return
     deadline = time.monotonic() + timeout
