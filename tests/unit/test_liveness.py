@@ -180,6 +180,21 @@ def test_rule5_an_observer_whose_own_echo_is_late_accuses_nobody() -> None:
     assert [v.peer for v in verdicts] == [2] and "confirmed by worker id 1" in verdicts[0].cause
 
 
+def test_rule5_an_observer_that_heard_no_other_peer_lately_suspects_nobody() -> None:
+    """Rule 5 (iii): the observer's peers fell silent together, their last echoes a tick
+    apart: when the first two pass T, the third has been silent for over T / 2 too, so
+    the observer's own liveness is not current and it suspects nobody (a tick later it
+    finds itself cut off from all three)."""
+    t, clock = up_table([1, 2, 3])
+    clock.t = 100.15
+    t.heard(3)
+    while clock.t < 103.1:
+        assert step(t, clock) == []
+    assert t.suspects() == [] and t.isolations == 0, "suspected on the observer's own silence"
+    step(t, clock, dt=0.1)
+    assert t.suspects() == [] and t.isolations == 1
+
+
 def test_rule6_one_witness_is_a_suspicion_and_a_second_one_makes_it_a_death() -> None:
     t, clock = up_table([1, 2, 3])
     verdicts = []
