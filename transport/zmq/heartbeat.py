@@ -15,8 +15,9 @@ Rule 1: every worker runs an echo socket (``rrefrt_transport.zmq.echo``): libzmq
     reaches it, on a thread that runs without the GIL. Every worker's heartbeat socket
     connects to every peer's echo and sends it a PING every ``heartbeat_interval``; the echo
     coming back is the heartbeat. These connections never carry data, so a PING never waits
-    behind a payload; a peer whose echo stays silent for ``heartbeat_timeout`` is declared
-    dead (a stopped, frozen or partitioned process). Python threads of the peer play no
+    behind a payload; a peer whose echo stays silent for ``heartbeat_timeout`` is suspected,
+    and dead once a second witness agrees (a stopped, frozen or partitioned process; NOTE
+    [Witnesses]). Python threads of the peer play no
     part: a deadlocked handler or a long-held GIL is not a death (call timeouts bound it).
 Rule 2: the liveness sockets' connections live on a libzmq I/O thread of their own
     (AFFINITY), so that CURVE encrypting a large message, which libzmq does in one piece on
