@@ -34,6 +34,10 @@ A message is one ZeroMQ multipart message on a ROUTER-to-ROUTER mesh::
                     itself: read as FENCED
     FENCED (6)      liveness socket: [cause]: the sender declared the receiver dead; the
                     receiver fails every pending and later request with Fenced
+    SUSPECT (7)     liveness socket: [peer id, peer incarnation]: the sender has not heard
+                    that peer for over heartbeat_timeout; the receiver counts it as a
+                    second witness of its own suspicion (Rule 6 in rrefrt_transport.liveness),
+                    never as a verdict. Repeated every heartbeat while it lasts
 
 The data socket and the liveness socket are two ROUTER sockets with the same routing id;
 the liveness socket never carries kinds >= 16, RESPONSE or HELLO.
@@ -53,7 +57,7 @@ from typing import Any
 import msgpack
 
 WIRE_VERSION = 1
-HELLO, HELLO_ACK, PING, RESPONSE, DEAD_NOTICE, FENCED = 1, 2, 3, 4, 5, 6
+HELLO, HELLO_ACK, PING, RESPONSE, DEAD_NOTICE, FENCED, SUSPECT = 1, 2, 3, 4, 5, 6, 7
 FIRST_APP_KIND = 16
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096

@@ -282,3 +282,44 @@ def test_many_workers_closing_at_once_never_abort(workers: int, rounds: int) -> 
         print(f"\n[reliability] {workers} workers closing at once, round {r + 1}: {res} in {took:.1f}s")
         outcome = {k: res[k] for k in ("ok", "abort", "failed", "hung")}
         assert outcome == {"ok": workers, "abort": 0, "failed": 0, "hung": 0}, res
+
+
+@pytest.mark.timeout(90)
+def test_an_observer_that_hears_nobody_expels_nobody_while_a_stopped_peer_is_still_dead_in_time(mesh: Mesh) -> None:
+    """Issue 22 (liveness Rules 5 and 6, NOTE [Witnesses] in rrefrt_transport.zmq.heartbeat): B's
+    liveness socket drops every echo (B is an observer whose liveness thread runs while it
+    hears nobody: starved, or cut off inbound), and E is SIGSTOPped just after. Before, B
+    declared all four peers dead one timeout later and the others took its word; now B
+    suspects itself, nobody healthy is expelled, and E is dead everywhere within the bound
+    of silent death (the three healthy witnesses confirm one another)."""
+    a = mesh.local(0, "A", HB)
+    b, c, d, e = (mesh.child(i, n, HB) for i, n in ((1, "B"), (2, "C"), (3, "D"), (4, "E")))
+    mesh.join(a, [b, c, d, e])
+    b.send_line({"cmd": "deafen"})
+    b.expect("deaf", 5)
+    os.kill(e.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        assert a.dead_event.wait(BOUND + 2), "E was not declared dead"
+        took = a.dead[0][2] - t0
+        for peer in (b, c, d):
+            assert peer.expect("peer_dead", 5)["peer"] == 4
+        # until B has heard nobody for over two timeouts (the bound of an unconfirmed
+        # suspicion, Rule 6 (c)) - it suspects itself every timeout instead of accusing -
+        # or someone besides E is dead (what B's word did before)
+        def b_isolated_or_someone_else_dead() -> bool:
+            s = b.stats()
+            return s["stats"].get("isolations", 0) >= 3 or bool((set(s["dead"]) | a.agent.dead_peers()) - {4})
+
+        poll_for(b_isolated_or_someone_else_dead, 10, "B suspecting itself three times")
+        seen = {peer.name: peer.stats() for peer in (b, c, d)}
+    finally:
+        os.kill(e.pid, signal.SIGCONT)
+    print(f"\n[reliability] deaf observer B and SIGSTOPped E among 5: E declared dead by A after {took:.2f}s "
+          f"({a.dead[0][1]}); B suspected itself {seen['B']['stats'].get('isolations')} times, "
+          f"sent {seen['B']['stats'].get('suspicions_sent', 0)} suspicions, dead everywhere: "
+          f"A {sorted(a.agent.dead_peers())}, " + ", ".join(f"{n} {s['dead']}" for n, s in seen.items()))
+    assert [x[0] for x in a.dead] == [4] and a.agent.dead_peers() == {4}
+    assert {n: s["dead"] for n, s in seen.items()} == {"B": [4], "C": [4], "D": [4]}
+    assert seen["B"]["stats"].get("suspicions_sent", 0) == 0 and not seen["B"]["stats"].get("fenced")
+    assert took <= BOUND

@@ -9,7 +9,9 @@ Protocol with the test process, one JSON object per line:
   whenever the agent declares a peer dead; {"event": "stats", ...} in answer to a command;
   {"event": "error", "error"} if joining the mesh failed.
 - stdin: first line is the peer table (a list of PeerSpec fields), later lines are commands
-  ({"cmd": "stats"}; {"cmd": "declare", "peer", "cause"}; {"cmd": "request", "dest", "kind", "meta", "size", "timeout"} answered by
+  ({"cmd": "stats"}, answered with its stats and dead peers; {"cmd": "deafen"}: its heartbeat
+  socket drops every echo from now on, its own included (a starved observer: its ticks run,
+  it hears nobody), answered by {"event": "deaf", "at"}; {"cmd": "declare", "peer", "cause"}; {"cmd": "request", "dest", "kind", "meta", "size", "timeout"} answered by
   {"event": "done", "meta", "error", "message", "elapsed"}). End of stdin (the test process went away) closes the agent and exits.
 
 Only ``transport`` is imported: the transport is tested on its own.
@@ -107,7 +109,16 @@ def main() -> None:
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd.get("cmd") == "stats":
-                emit({"event": "stats", "received": behaviour.received, "stats": dict(agent.stats)})
+                emit({"event": "stats", "received": behaviour.received, "stats": dict(agent.stats),
+                      "dead": sorted(agent.dead_peers())})
+            elif cmd.get("cmd") == "deafen":  # its liveness socket drops every echo from now on
+                hb = agent._hb  # type: ignore[attr-defined]
+
+                def deafen(hb: Any = hb) -> None:  # on the heartbeat thread, which owns the map
+                    hb._echo_peer = {}  # echoes then count as frames of no member: dropped
+                    emit({"event": "deaf", "at": time.monotonic()})
+
+                hb.loop.call_soon(deafen)
             elif cmd.get("cmd") == "declare":  # this worker declares a peer dead on its own evidence
                 agent._hb.declare(cmd["peer"], cmd.get("cause", "a test said so"))  # type: ignore[attr-defined]
             elif cmd.get("cmd") == "request":  # one request; its outcome is reported

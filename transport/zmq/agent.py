@@ -197,6 +197,7 @@ class ZmqTransport:
             eps["ipc"] = self._bind_data(self._ipc.endpoint("d"))
             eps["ipc" + LIVE] = self._hb.bind(self._ipc.endpoint("l"))
             eps["ipc" + ECHO] = self._echo.bind(self._ipc.endpoint("e"))
+        self._hb.watch_self(eps.get("ipc" + ECHO) or eps["tcp" + ECHO])  # its own liveness (liveness Rule 5)
         return PeerAddress(self.host, eps)
 
     def _bind_data(self, endpoint: str) -> str:
@@ -217,7 +218,7 @@ class ZmqTransport:
         self._check_usable()
         plan = self._plan(peers)
         self._loop.call_soon(lambda: self._setup(plan))
-        self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan])
+        self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan], timeout)
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
             raise self._join_error
@@ -238,7 +239,8 @@ class ZmqTransport:
             self._join_error = None
             self._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
             self._loop.call_soon(lambda: self._setup(steps))
-            self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps])
+            self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps],
+                          timeout if timeout > 0 else None)
         if timeout <= 0:
             return
         deadline = time.monotonic() + timeout

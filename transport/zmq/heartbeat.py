@@ -15,8 +15,9 @@ Rule 1: every worker runs an echo socket (``rrefrt_transport.zmq.echo``): libzmq
     reaches it, on a thread that runs without the GIL. Every worker's heartbeat socket
     connects to every peer's echo and sends it a PING every ``heartbeat_interval``; the echo
     coming back is the heartbeat. These connections never carry data, so a PING never waits
-    behind a payload; a peer whose echo stays silent for ``heartbeat_timeout`` is declared
-    dead (a stopped, frozen or partitioned process). Python threads of the peer play no
+    behind a payload; a peer whose echo stays silent for ``heartbeat_timeout`` is suspected,
+    and dead once a second witness agrees (a stopped, frozen or partitioned process; NOTE
+    [Witnesses]). Python threads of the peer play no
     part: a deadlocked handler or a long-held GIL is not a death (call timeouts bound it).
 Rule 2: the liveness sockets' connections live on a libzmq I/O thread of their own
     (AFFINITY), so that CURVE encrypting a large message, which libzmq does in one piece on
@@ -30,6 +31,20 @@ Rule 3: a killed peer's connections close at once; the socket monitor reports it
     heartbeat timeout + interval + the tick.
 Rule 4: no socket sets HEARTBEAT_IVL. Heartbeat-socket messages are one frame after the
     routing id (NOTE [Close] (2) in rrefrt_transport.zmq.agent).
+Rule 5: the socket also connects to this worker's own echo and PINGs it every tick: the
+    echo coming back is this worker's own liveness (liveness Rule 5 (ii): its liveness I/O
+    thread and this loop both ran within heartbeat_timeout / 2). A worker whose own echo is
+    late accuses nobody.
+
+NOTE [Witnesses] (issue 22): silence is a suspicion first (liveness Rules 5-7). A peer this
+worker suspects is told to every other live member as SUSPECT [P, P's incarnation], again
+every beat while the suspicion lasts; a receiver that suspects P itself (or does later,
+within heartbeat_timeout) declares P dead and tells everyone DEAD_NOTICE as usual. So a
+SIGSTOPped peer of a group of three or more is dead within heartbeat_timeout + interval +
+a tick (the later of two witnesses), while a worker that is starved of CPU or cut off alone
+finds no second witness for its suspicions: the others still hear the peers it misses. It
+never tells a suspicion while it hears none of its peers (it suspects itself then, and
+logs so once per episode).
 
 NOTE [Membership]: when this worker declares peer P dead on its own evidence, it sends
 DEAD_NOTICE [P, P's incarnation, cause] to every other live member, and FENCED [cause] to P
@@ -124,25 +139,38 @@ class Heartbeat:
         #: answered with FENCED (a store host still waiting after its leave is not expelled)
         self._departed: set[int] = set()
         self._ping = wire.encode_header(wire.PING, 0, [incarnation, True])  #: what we send to echoes
+        self._told: set[int] = set()  #: peers whose suspicion we told since it began (NOTE [Witnesses])
+        self._isolations = 0  #: ``table.isolations`` last logged
         self.endpoints: list[str] = []
 
     # ------------------------------------------------------------------ setup (before start)
     def bind(self, endpoint: str) -> str:
         return security.bind(self._sock, self._auth, endpoint, self.endpoints)
 
+    def watch_self(self, echo: str) -> None:
+        """Any thread: connect to this worker's own echo at ``echo`` (Rule 5)."""
+
+        def setup() -> None:
+            self._echo_peer[echo_id(self.id)] = self.id
+            if self._auth is not None:
+                security.configure_client(self._sock, self._auth, self.id)
+            self._sock.connect(echo)
+
+        self.loop.call_soon(setup)
+
     def start(self) -> None:
         self.loop.start()
         self.loop.call_soon(self._tick)
 
-    def join(self, peers: list[tuple[int, str, int, str | None, str]]) -> None:
+    def join(self, peers: list[tuple[int, str, int, str | None, str]], timeout: float | None = None) -> None:
         """Any thread: (id, name, incarnation, heartbeat endpoint to connect or None, echo
-        endpoint) per peer."""
+        endpoint) per peer; ``timeout``: the join's, which bounds liveness Rule 7."""
 
         def setup() -> None:
             for pid, pname, inc, endpoint, echo in peers:
                 if pid in self._peers:  # a new incarnation of a departed id (dynamic groups)
                     self._detach(pid)
-                    self.table.replace(pid)
+                    self.table.replace(pid, join_timeout=timeout)
                 self._departed.discard(pid)
                 self._peers[pid] = (wire.routing_id(pid), inc, pname)
                 self._echo_peer[echo_id(pid)] = pid
@@ -153,7 +181,7 @@ class Heartbeat:
                         security.configure_client(self._sock, self._auth, pid)
                     self._sock.connect(ep)
                     self._connected.setdefault(pid, []).append(ep)
-            self.table.add(p[0] for p in peers)
+            self.table.add((p[0] for p in peers), join_timeout=timeout)
             self._probe_until = time.monotonic() + 3600.0  # until the join ends: see _tick
 
         self.loop.call_soon(setup)
@@ -243,8 +271,14 @@ class Heartbeat:
             if peer not in joining:
                 self.table.route(peer, ok)
             self.stats["heartbeats_sent"] += ok
+        try:  # Rule 5: this worker's own echo
+            self._sock.send_multipart([echo_id(self.id), self._ping], flags=_NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                raise
         for v in self.table.tick():
             self._verdict(v, tell=True)
+        self._tell_suspicions(due)
         for peer, since in list(self._dead_since.items()):
             if now - since > FENCE_RETRY_S:
                 del self._dead_since[peer]
@@ -252,6 +286,30 @@ class Heartbeat:
                 self._send_fenced(peer)
         fast = probing or suspects or self._dead_since
         self.loop.call_later(PROBE_S if fast else min(0.25, self.interval / 2), self._tick)
+
+    def _tell_suspicions(self, due: bool) -> None:
+        """NOTE [Witnesses]: tell each new suspicion at once, and every beat while it lasts."""
+        if self.table.isolations != self._isolations:  # at most once per heartbeat_timeout
+            log.warning("worker %r heard none of its peers for over %.1fs: it suspects itself and accuses "
+                        "nobody (liveness Rule 5)", self.name, self.table.heartbeat_timeout)
+            self.stats["isolations"] += self.table.isolations - self._isolations
+            self._isolations = self.table.isolations
+        suspects = self.table.suspects()
+        self._told.intersection_update(suspects)
+        if self.expelled:
+            return
+        for peer in suspects:
+            entry = self._peers.get(peer)
+            if entry is None or (peer in self._told and not due):
+                continue
+            if peer not in self._told:
+                log.info("worker %r suspects worker %r: no heartbeat for over %.1fs; asking the others",
+                         self.name, entry[2], self.table.heartbeat_timeout)
+            self._told.add(peer)
+            notice = [wire.encode_header(wire.SUSPECT, 0, [peer, entry[1]])]
+            for other in self.table.live():
+                if other != peer and self._send(other, notice):
+                    self.stats["suspicions_sent"] += 1
 
     def declare(self, peer: int, cause: str) -> None:
         """Heartbeat thread: ``peer`` is dead on another transport's evidence; judged and told
@@ -298,6 +356,10 @@ class Heartbeat:
             except zmq.Again:
                 return
             echoed = self._echo_peer.get(msg[0])
+            if echoed == self.id:  # our own echo: this worker's own liveness (Rule 5)
+                if len(msg) == 2 and msg[1] == self._ping:
+                    self.table.heard_self()
+                continue
             if echoed is not None:  # our PING back from that peer's echo: a heartbeat
                 if len(msg) == 2 and msg[1] == self._ping and self.table.state(echoed) is not PeerState.DEAD:
                     was_joining = self.table.state(echoed) is PeerState.JOINING
@@ -351,6 +413,16 @@ class Heartbeat:
                 return
             self.stats["dead_notices_received"] += 1
             self._verdict(self.table.declare(peer, f"worker {entry[2]!r} declared it dead: {cause}"), tell=False)
+        elif kind == wire.SUSPECT:  # NOTE [Witnesses]
+            if not (type(meta) is list and len(meta) == 2 and type(meta[0]) is int and type(meta[1]) is int):
+                self.stats["bad_frames_dropped"] += 1
+                return
+            peer, inc = meta
+            target = self._peers.get(peer)
+            if peer == self.id or target is None or target[1] != inc:
+                return
+            self.stats["suspicions_received"] += 1
+            self._verdict(self.table.suspicion(peer, src), tell=True)
         else:
             self.stats["bad_frames_dropped"] += 1
 
