@@ -51,7 +51,8 @@ class _Proc:
         self.lines: queue.Queue[str] = queue.Queue()
         self.text: list[str] = []
         self.exited_at: float | None = None
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.p.stdout:  # type: ignore[union-attr]
@@ -102,6 +103,7 @@ def test_partition_is_detected_within_the_heartbeat_bound(two_hosts):
         results = [json.loads(p.expect("RESULT ", 30)[7:]) for p in procs]
         for p in procs:
             p.p.wait(10)
+            p.reader.join(10)  # it notes when the process exited
         print(f"\nnetwork partition between two namespaces (heartbeat interval {HB['heartbeat_interval']} s, "
               f"timeout {HB['heartbeat_timeout']} s):")
         for rank, r in enumerate(results):
