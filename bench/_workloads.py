@@ -2,12 +2,15 @@
 
 Everything here is backend-agnostic: `rpc` is either `torch.distributed.rpc` or `rrefrt`,
 and both run exactly the same code. The remote functions live in this importable module
-(not in __main__) so every worker can unpickle them.
+(not in __main__) so every worker can unpickle them. This module imports neither torch nor
+rrefrt at the top: a worker's init clock starts before either is imported (worker_main).
 
 Groups (one set of worker processes each, see bench_rpc.py):
-    main   3 workers: w0 calls, w1 serves and owns, w2 receives forks
-    life4  4 workers: init + graceful shutdown, nothing else
-    fan8   8 workers: w0 fans calls out to the 7 others
+    p2p    2 workers: w0 calls, w1 serves and owns (every point-to-point workload)
+    forks  3 workers: w0 passes RRefs owned by w1 to w2
+    life4  4 workers: import + init + graceful shutdown, nothing else
+    fan8   8 workers: w0 fans calls out to the 7 others (only on request: oversubscribed)
+    warm   2 workers: one call of each kind, results thrown away (fills the bytecode cache)
 """
 import gc
 import json
@@ -18,30 +21,46 @@ import sys
 import time
 from collections import deque
 
-import torch
+#: group -> world size
+GROUPS = {"p2p": 2, "forks": 3, "life4": 4, "fan8": 8, "warm": 2}
 
-# (key, label, unit, which direction is better, group)
+# (key, label, unit, which direction is better, group); every key a workload can report
 METRICS = [
-    ("sync_p50_us", "rpc_sync no-op p50", "us", "lower", "main"),
-    ("sync_cpu_us", "rpc_sync no-op CPU per call (both sides)", "us", "lower", "main"),
-    ("async_calls_per_s", "rpc_async throughput, 1000 in flight", "calls/s", "higher", "main"),
-    ("tensor_1mb_p50_ms", "1 MB tensor round trip p50", "ms", "lower", "main"),
-    ("tensor_16mb_p50_ms", "16 MB tensor round trip p50", "ms", "lower", "main"),
-    ("tensor_64mb_p50_ms", "64 MB tensor round trip p50", "ms", "lower", "main"),
-    ("remote_to_here_p50_us", "remote().to_here() p50", "us", "lower", "main"),
-    ("remote_cpu_us", "remote().to_here() CPU per call (both sides)", "us", "lower", "main"),
-    ("forks_per_s", "user->user RRef forks", "forks/s", "higher", "main"),
-    ("drain_ms", "owner drain after forks dropped", "ms", "lower", "main"),
-    ("life4_s", "init + graceful shutdown, 4 workers", "s", "lower", "life4"),
-    ("init4_s", "  of which init", "s", "lower", "life4"),
+    ("sync_p50_us", "rpc_sync no-op p50", "us", "lower", "p2p"),
+    ("sync_p99_us", "rpc_sync no-op p99", "us", "lower", "p2p"),
+    ("sync_cpu_us", "rpc_sync no-op CPU per call (both sides)", "us", "lower", "p2p"),
+    ("async_calls_per_s", "rpc_async throughput, 1000 in flight", "calls/s", "higher", "p2p"),
+    ("async_cpu_us", "rpc_async CPU per call (both sides)", "us", "lower", "p2p"),
+    ("tensor_4kb_p50_ms", "4 KB tensor round trip p50", "ms", "lower", "p2p"),
+    ("tensor_4kb_cpu_us", "4 KB tensor round trip CPU per call", "us", "lower", "p2p"),
+    ("tensor_1mb_p50_ms", "1 MB tensor round trip p50", "ms", "lower", "p2p"),
+    ("tensor_1mb_cpu_us", "1 MB tensor round trip CPU per call", "us", "lower", "p2p"),
+    ("tensor_16mb_p50_ms", "16 MB tensor round trip p50", "ms", "lower", "p2p"),
+    ("tensor_16mb_cpu_us", "16 MB tensor round trip CPU per call", "us", "lower", "p2p"),
+    ("tensor_64mb_p50_ms", "64 MB tensor round trip p50", "ms", "lower", "p2p"),
+    ("tensor_64mb_cpu_us", "64 MB tensor round trip CPU per call", "us", "lower", "p2p"),
+    ("remote_to_here_p50_us", "remote().to_here() p50", "us", "lower", "p2p"),
+    ("remote_to_here_p99_us", "remote().to_here() p99", "us", "lower", "p2p"),
+    ("remote_cpu_us", "remote().to_here() CPU per call (both sides)", "us", "lower", "p2p"),
+    ("drain_ms", "owner drain after a drop", "ms", "lower", "p2p"),
+    ("forks_per_s", "user->user RRef forks", "forks/s", "higher", "forks"),
+    ("forks_cpu_us", "user->user fork CPU per fork (3 workers)", "us", "lower", "forks"),
+    ("life4_s", "import + init + graceful shutdown, 4 workers", "s", "lower", "life4"),
+    ("import4_s", "  of which import (torch + backend)", "s", "lower", "life4"),
+    ("initrpc4_s", "  of which init_rpc", "s", "lower", "life4"),
     ("shutdown4_s", "  of which shutdown", "s", "lower", "life4"),
     ("fanout_calls_per_s", "fan-out calls/s at 8 workers", "calls/s", "higher", "fan8"),
 ]
 
-FULL = dict(sync=2000, sync_warm=200, async_n=5000, window=1000, t1=100, t16=20, t64=8,
-            remote=1000, remote_warm=100, forks=1000, fan=4000)
-QUICK = dict(sync=300, sync_warm=50, async_n=2000, window=1000, t1=10, t16=3, t64=0,
-             remote=200, remote_warm=20, forks=200, fan=800)
+#: tensor round trips: (size label, bytes, parameter with the number of timed calls)
+TENSORS = [("4kb", 4 * 1024, "t4k"), ("1mb", 1 << 20, "t1"), ("16mb", 16 << 20, "t16"), ("64mb", 64 << 20, "t64")]
+
+FULL = dict(sync=2000, sync_warm=200, async_n=5000, window=1000, t4k=1000, t1=100, t16=20, t64=8,
+            remote=1000, remote_warm=100, drain=1000, forks=1000, fan=4000)
+QUICK = dict(sync=200, sync_warm=30, async_n=2000, window=1000, t4k=50, t1=8, t16=2, t64=1,
+             remote=150, remote_warm=15, drain=150, forks=150, fan=800)
+WARM = dict(sync=3, sync_warm=1, async_n=10, window=5, t4k=1, t1=1, t16=0, t64=0,
+            remote=3, remote_warm=1, drain=3, forks=0, fan=0)
 
 
 # ---- remote functions -------------------------------------------------------
@@ -85,16 +104,51 @@ def _latencies(fn, n, warm):
     return out
 
 
-# ---- workloads of the main group (run on rank 0) ---------------------------------
+def _p99(lat):
+    s = sorted(lat)
+    return s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
+class GroupCpu:
+    """CPU time of every worker of the group (caller and callees) over a measured window:
+    each peer's process CPU is read with one rpc_sync before and after (those few calls are
+    counted too: at most 2 per peer against hundreds of measured calls)."""
+
+    def __init__(self, rpc, peers):
+        self.rpc, self.peers = rpc, peers
+
+    def _now(self):
+        return process_cpu() + sum(self.rpc.rpc_sync(w, process_cpu) for w in self.peers)
+
+    def __enter__(self):
+        self.start = self._now()
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.used = self._now() - self.start
+
+    def per_call_us(self, calls):
+        return self.used / calls * 1e6
+
+
+def _wait_owner_count(rpc, backend, pred, limit=60.0):
+    t0 = time.perf_counter()
+    while not pred(rpc.rpc_sync("w1", owner_rrefs, args=(backend,))) and time.perf_counter() - t0 < limit:
+        time.sleep(0.002)
+    return time.perf_counter() - t0
+
+
+# ---- workloads (run on rank 0) ------------------------------------------------
 
 def bench_sync(rpc, p, backend):
     assert rpc.rpc_sync("w1", noop, args=(7,)) == 7
     for _ in range(p["sync_warm"]):
         rpc.rpc_sync("w1", noop, args=(1,))
-    callee0, mine0 = rpc.rpc_sync("w1", process_cpu), process_cpu()
-    lat = _latencies(lambda: rpc.rpc_sync("w1", noop, args=(1,)), p["sync"], 0)
-    mine, callee = process_cpu() - mine0, rpc.rpc_sync("w1", process_cpu) - callee0
-    return {"sync_p50_us": statistics.median(lat) * 1e6, "sync_cpu_us": (mine + callee) / p["sync"] * 1e6}
+    with GroupCpu(rpc, ["w1"]) as cpu:
+        lat = _latencies(lambda: rpc.rpc_sync("w1", noop, args=(1,)), p["sync"], 0)
+    return {"sync_p50_us": statistics.median(lat) * 1e6, "sync_p99_us": _p99(lat) * 1e6,
+            "sync_cpu_us": cpu.per_call_us(p["sync"])}
 
 
 def bench_async(rpc, p, backend):
@@ -107,21 +161,28 @@ def bench_async(rpc, p, backend):
         for f in window:
             f.wait()
     run(p["window"])
-    t0 = time.perf_counter()
-    run(p["async_n"])
-    return {"async_calls_per_s": p["async_n"] / (time.perf_counter() - t0)}
+    with GroupCpu(rpc, ["w1"]) as cpu:
+        t0 = time.perf_counter()
+        run(p["async_n"])
+        dt = time.perf_counter() - t0
+    return {"async_calls_per_s": p["async_n"] / dt, "async_cpu_us": cpu.per_call_us(p["async_n"])}
 
 
 def bench_tensors(rpc, p, backend):
+    import torch
     res = {}
-    for mb, n, key in ((1, p["t1"], "tensor_1mb_p50_ms"), (16, p["t16"], "tensor_16mb_p50_ms"),
-                       (64, p["t64"], "tensor_64mb_p50_ms")):
+    for label, nbytes, param in TENSORS:
+        n = p[param]
         if not n:
             continue
-        t = torch.rand(mb * 1024 * 1024 // 4)
+        t = torch.rand(nbytes // 4)
         assert torch.equal(rpc.rpc_sync("w1", identity, args=(t,)), t)
-        lat = _latencies(lambda: rpc.rpc_sync("w1", identity, args=(t,)), n, 2)
-        res[key] = statistics.median(lat) * 1e3
+        rpc.rpc_sync("w1", identity, args=(t,))  # warm-up
+        with GroupCpu(rpc, ["w1"]) as cpu:
+            lat = _latencies(lambda: rpc.rpc_sync("w1", identity, args=(t,)), n, 0)
+        res[f"tensor_{label}_p50_ms"] = statistics.median(lat) * 1e3
+        res[f"tensor_{label}_cpu_us"] = cpu.per_call_us(n)
+        del t
     return res
 
 
@@ -129,35 +190,37 @@ def bench_remote(rpc, p, backend):
     assert rpc.remote("w1", noop, args=(7,)).to_here() == 7
     for _ in range(p["remote_warm"]):
         rpc.remote("w1", noop, args=(1,)).to_here()
-    callee0, mine0 = rpc.rpc_sync("w1", process_cpu), process_cpu()
-    lat = _latencies(lambda: rpc.remote("w1", noop, args=(1,)).to_here(), p["remote"], 0)
-    mine, callee = process_cpu() - mine0, rpc.rpc_sync("w1", process_cpu) - callee0
-    return {"remote_to_here_p50_us": statistics.median(lat) * 1e6,
-            "remote_cpu_us": (mine + callee) / p["remote"] * 1e6}
+    with GroupCpu(rpc, ["w1"]) as cpu:
+        lat = _latencies(lambda: rpc.remote("w1", noop, args=(1,)).to_here(), p["remote"], 0)
+    return {"remote_to_here_p50_us": statistics.median(lat) * 1e6, "remote_to_here_p99_us": _p99(lat) * 1e6,
+            "remote_cpu_us": cpu.per_call_us(p["remote"])}
+
+
+def bench_drain(rpc, p, backend):
+    """N RRefs owned by w1, held by w0, dropped at once: the time until the owner holds
+    none of them (bounded)."""
+    gc.collect()
+    base = rpc.rpc_sync("w1", owner_rrefs, args=(backend,))
+    rrefs = [rpc.remote("w1", noop, args=(i,)) for i in range(p["drain"])]
+    _wait_owner_count(rpc, backend, lambda c: c >= base + p["drain"])  # every creation done
+    del rrefs
+    gc.collect()
+    return {"drain_ms": _wait_owner_count(rpc, backend, lambda c: c <= base) * 1e3}
 
 
 def bench_forks(rpc, p, backend):
-    base = rpc.rpc_sync("w1", owner_rrefs, args=(backend,))
     rrefs = [rpc.remote("w1", noop, args=(i,)) for i in range(p["forks"])]
     for r in rrefs[:10]:  # warm-up
         rpc.rpc_sync("w2", consume, args=(r,))
-    t0 = time.perf_counter()
-    for r in rrefs:
-        rpc.rpc_sync("w2", consume, args=(r,))
-    res = {"forks_per_s": p["forks"] / (time.perf_counter() - t0)}
-    del rrefs, r
-    gc.collect()
-    t0 = time.perf_counter()  # drain: until the owner holds none of them (bounded)
-    while rpc.rpc_sync("w1", owner_rrefs, args=(backend,)) > base and time.perf_counter() - t0 < 60:
-        time.sleep(0.002)
-    res["drain_ms"] = (time.perf_counter() - t0) * 1e3
-    return res
+    with GroupCpu(rpc, ["w1", "w2"]) as cpu:
+        t0 = time.perf_counter()
+        for r in rrefs:
+            rpc.rpc_sync("w2", consume, args=(r,))
+        dt = time.perf_counter() - t0
+    return {"forks_per_s": p["forks"] / dt, "forks_cpu_us": cpu.per_call_us(p["forks"])}
 
 
-WORKLOADS = [bench_sync, bench_async, bench_tensors, bench_remote, bench_forks]
-
-
-def bench_fanout(rpc, p, world_size):
+def bench_fanout(rpc, p, backend, world_size=8):
     peers = [f"w{r}" for r in range(1, world_size)]
     for w in peers:
         assert rpc.rpc_sync(w, noop, args=(3,)) == 3
@@ -172,54 +235,101 @@ def bench_fanout(rpc, p, world_size):
     return {"fanout_calls_per_s": p["fan"] / (time.perf_counter() - t0)}
 
 
-def run_all(rpc, quick, backend, group, world_size, only=None):
-    p = QUICK if quick else FULL
+#: group -> its workloads in order; a workload's name is the function's without "bench_"
+WORKLOADS = {
+    "p2p": [bench_sync, bench_async, bench_tensors, bench_remote, bench_drain],
+    "forks": [bench_forks],
+    "life4": [],
+    "fan8": [bench_fanout],
+    "warm": [bench_sync, bench_async, bench_tensors, bench_remote, bench_drain],
+}
+
+
+def workload_names(group):
+    return [wl.__name__[len("bench_"):] for wl in WORKLOADS[group]]
+
+
+def run_all(rpc, params, backend, group, only=None):
     results, errors = {}, {}
-    main = [wl for wl in WORKLOADS if not only or wl.__name__[len("bench_"):] in only.split(",")]
-    workloads = main if group == "main" else [lambda rpc, p, b: bench_fanout(rpc, p, world_size)] if group == "fan8" else []
-    for wl in workloads:
-        name = getattr(wl, "__name__", "workload")
+    for wl in WORKLOADS[group]:
+        name = wl.__name__[len("bench_"):]
+        if only and name not in only:
+            continue
         print(f"[rank0] {name} ...", flush=True)  # the log tail then shows where a hang is
         try:
-            results.update(wl(rpc, p, backend))
+            results.update(wl(rpc, params, backend))
         except Exception as e:  # record and go on: one broken workload must not hide the rest
             errors[name] = f"{type(e).__name__}: {e}"[:500]
             print(f"[rank0] {name} failed: {errors[name]}", file=sys.stderr, flush=True)
         gc.collect()
-    return {"params": p, "results": results, "errors": errors}
+    return {"results": results, "errors": errors}
 
 
 # ---- worker entry point -------------------------------------------------------
 
-def load_backend(backend, port):
-    """backend: torch (TensorPipe at its best: shm and cma channels on one host), torch-tcp
-    (TensorPipe forced to TCP), rrefrt (defaults), rrefrt-secret (a job secret, as rrefrt-run
-    sets on one node), rrefrt-tcp (same-host paths off: tcp only)."""
-    init = f"tcp://127.0.0.1:{port}"
+def import_backend(backend):
+    """What a PyTorch program does before init_rpc: ``import torch``, then the rpc module
+    (rrefrt on its own does not import torch; a program that passes tensors does)."""
+    t0 = time.perf_counter()
+    import torch  # noqa: F401
+    t1 = time.perf_counter()
     if backend.startswith("torch"):
         from torch.distributed import rpc
-        kw = dict(_transports=["uv"], _channels=["basic"]) if backend == "torch-tcp" else {}
-        return rpc, rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120, init_method=init, **kw)
-    if backend.startswith("rrefrt"):
+    elif backend.startswith("rrefrt"):
         import rrefrt as rpc
-        return rpc, rpc.RpcBackendOptions(init_method=init, rpc_timeout=120)
-    raise ValueError(f"unknown backend {backend!r}")
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+    return rpc, t1 - t0, time.perf_counter() - t1
 
 
-def worker_main(backend, rank, world_size, port, out, quick, group, only=None):
+def backend_options(rpc, backend, port):
+    """torch (TensorPipe at its best: shm and cma channels on one host), torch-tcp (TensorPipe
+    forced to TCP), rrefrt (defaults), rrefrt-secret (a job secret, as rrefrt-run sets on one
+    node), rrefrt-tcp (same-host paths off: tcp only); the last two differ by environment."""
+    init = f"tcp://127.0.0.1:{port}"
+    if backend.startswith("torch"):
+        kw = dict(_transports=["uv"], _channels=["basic"]) if backend == "torch-tcp" else {}
+        return rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120, init_method=init, **kw)
+    return rpc.RpcBackendOptions(init_method=init, rpc_timeout=120)
+
+
+def compiled_since(t_ns):
+    """Modules whose bytecode file was written at or after t_ns (wall clock): compiled
+    from source inside the measured window, which the precompile step should have spared."""
+    out = []
+    for name, mod in list(sys.modules.items()):
+        spec = getattr(mod, "__spec__", None)
+        cached = getattr(spec, "cached", None) if spec else None
+        if not cached or name == "__main__":
+            continue
+        try:
+            if os.stat(cached).st_mtime_ns >= t_ns:
+                out.append(name)
+        except OSError:  # none written (a read-only tree): compiled from source at every start
+            if spec.origin and spec.origin.endswith(".py"):
+                out.append(name + " (no bytecode file)")
+    return sorted(out)
+
+
+def worker_main(backend, rank, world_size, port, out, params, group, only=None):
     cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # each worker on its own core (round robin)
-    rpc, opts = load_backend(backend, port)
-    # rrefrt's package is lazy (PEP 562): resolve init_rpc (importing the runtime, zmq) before
-    # the clock starts, as torch's import of torch.distributed.rpc happened in load_backend
-    init_rpc = rpc.init_rpc
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # rank r on core r (round robin past the last)
+    # the init clock runs from before `import torch` to init_rpc returned, as a user sees it:
+    # rrefrt's lazy imports (runtime, zmq, msgpack) resolve inside init_rpc and count there
+    wall0 = time.time_ns()
+    rpc, import_torch_s, import_backend_s = import_backend(backend)
     t0 = time.perf_counter()
-    init_rpc(f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
-    init_s = time.perf_counter() - t0
-    report = run_all(rpc, quick, backend, group, world_size, only) if rank == 0 else {"results": {}, "errors": {}}
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=backend_options(rpc, backend, port))
+    init_rpc_s = time.perf_counter() - t0
+    compiled = compiled_since(wall0)
+    report = run_all(rpc, params, backend, group, only) if rank == 0 else {"results": {}, "errors": {}}
     t0 = time.perf_counter()
     rpc.shutdown()
-    report["init_s"], report["shutdown_s"] = init_s, time.perf_counter() - t0
+    report.update(import_torch_s=import_torch_s, import_backend_s=import_backend_s, init_rpc_s=init_rpc_s,
+                  shutdown_s=time.perf_counter() - t0, compiled_at_init=compiled)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(report, f)
-    print(f"[rank{rank}] init {init_s:.2f}s, shutdown {report['shutdown_s']:.2f}s", flush=True)
+    print(f"[rank{rank}] import {import_torch_s + import_backend_s:.2f}s (torch {import_torch_s:.2f}s), "
+          f"init_rpc {init_rpc_s:.2f}s, shutdown {report['shutdown_s']:.2f}s"
+          + (f"; compiled during init: {', '.join(compiled)}" if compiled else ""), flush=True)
