@@ -137,23 +137,21 @@ class RRefContext(ContextAudit, ContextDrops):
 
     def abandon_user(self, fork_id: ForkId, error: BaseException) -> list[Action]:
         """The creating message of a remote() was never acknowledged: the RRef fails with
-        ``error`` on every use, and a delete goes to the owner at once. The owner keeps a
-        tombstone, so a creation that turns up late never runs, and one that did arrive
-        (only its ack was lost) is freed."""
+        ``error`` on every use, and a delete goes to the owner at once (once no child
+        forked from it is pending). The owner keeps a tombstone, so a creation that turns
+        up late never runs, and one that did arrive (only its ack was lost) is freed."""
         with self._lock:
             rec = self.pending_users.get(fork_id)
             if rec is None:
                 return []
             rec.error = rec.error or error
-            if rec.children:
-                return []  # its children still need the parent's fork: it stays pending
             del self.pending_users[fork_id]
             rec.confirmed, rec.alive = True, False
+            self.confirmed_users[fork_id] = rec
             self._notify()
-            if rec.owner in self.dead:
-                return []
-            self.deleting_users[fork_id] = rec
-            return [UserDelete(rec.owner, rec.rref_id, fork_id)]
+            # its children still need its fork: the delete waits until they accepted (before,
+            # such a creation stayed pending for good and its fork on the owner with it)
+            return self._maybe_delete(rec)
 
     def give_up_user(self, fork_id: ForkId, error: BaseException) -> list[Action]:
         """A pending user's fork request was never acknowledged (retries exhausted): the

@@ -1173,6 +1173,33 @@ def test_a_given_up_fork_with_a_child_pending_goes_once_the_child_accepts() -> N
     d.validate()
 
 
+def test_an_abandoned_creation_with_a_child_pending_is_deleted_once_the_child_accepts() -> None:
+    """A remote() whose creation was never acknowledged, passed on meanwhile: the child is
+    covered by the creator's fork, so the delete waits for its accept - and then goes
+    (before, the creation stayed pending for good, its fork on the owner with it)."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    urec = a.new_remote_user(1)
+    rid = urec.rref_id
+    data = a.fork_user(urec, 2)
+    orec = b.on_remote_request(rid, urec.fork_id, 0, "object")  # it arrived; every ack is lost
+    assert orec is not None and b.set_value(orec, "v") == []
+    crec, acts = c.on_fork_received(data, 0)
+    assert acts == [ForkRequest(1, rid, data.fork_id, 0)]
+    assert a.abandon_user(urec.fork_id, RpcError("creation lost")) == []  # its child needs it
+    a.validate()
+    b.on_fork_request(rid, data.fork_id, 2)
+    assert c.on_fork_request_ack(data.fork_id) == [ChildAccept(0, data.fork_id)]
+    assert a.on_child_accept(data.fork_id) == [UserDelete(1, rid, urec.fork_id)]
+    assert b.on_user_delete(rid, urec.fork_id) == []
+    a.on_user_delete_ack(urec.fork_id)
+    assert c.user_dropped(data.fork_id) == [UserDelete(1, rid, data.fork_id)]
+    assert b.on_user_delete(rid, data.fork_id) == [Release(orec)]
+    c.on_user_delete_ack(data.fork_id)
+    _validate(a, b, c)
+    for x in (a, b, c):
+        assert x.counts() == ZERO_COUNTS
+
+
 def test_child_accepts_to_one_parent_are_batched() -> None:
     """NOTE [Lazy registration]: the accepts of drops flushed together leave as one
     RREF_CHILD_ACCEPTS per parent (a lone one stays a RREF_CHILD_ACCEPT), in place."""
