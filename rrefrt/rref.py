@@ -139,7 +139,7 @@ class RRef(Generic[T]):
             rt = self._rt
             if not rt.closed:
                 wait_received_confirmed([self], time.monotonic() + rt.options.rpc_timeout)
-        return rec.confirmed
+        return rec.confirmed and not rec.given_up
 
     def __repr__(self) -> str:
         rid, fid = self._ids()

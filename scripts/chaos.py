@@ -8,12 +8,16 @@ SIGCONT ("stop_near"), or a 200 MB result (stalled by a SIGSTOP in half of those
 Prints one line per run and a summary (runs, hangs, orphans, leaks - deaths and stops
 included - and failures by kind); exits 1 if any run violated a pass criterion.
 ``--summarize a.json b.json`` prints the summary of earlier campaigns (batches) together.
+``--trace DIR`` keeps, for each failing run, every worker's protocol trace (context events,
+protocol messages sent, received and hit by a fault: tests/support/ptrace.py) in
+``DIR/seed<N>/w<rank>.jsonl`` and the run's facts in ``DIR/seed<N>/result.json``.
 """
 
 import argparse
 import collections
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -54,6 +58,7 @@ def main() -> int:
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--duration", type=float, default=1.2, help="seconds of workload per run")
     ap.add_argument("--json", help="write every run's facts to this file (rewritten after every run)")
+    ap.add_argument("--trace", metavar="DIR", help="keep the protocol traces of failing runs in DIR/seed<N>/")
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="only summarize earlier campaigns' files")
     args = ap.parse_args()
     if args.summarize:
@@ -62,8 +67,16 @@ def main() -> int:
         return 1 if any(r["problems"] for r in results) else 0
     results, t0 = [], time.monotonic()
     for seed in range(args.start, args.start + args.runs):
-        result = run_one(seed, args.duration)
+        trace = os.path.join(args.trace, f"seed{seed}") if args.trace else None
+        if trace:
+            os.makedirs(trace, exist_ok=True)
+        result = run_one(seed, args.duration, trace)
         problems = check(result)
+        if trace and problems:
+            with open(os.path.join(trace, "result.json"), "w") as f:
+                json.dump(result | {"problems": problems}, f, indent=1, default=str)
+        elif trace:
+            shutil.rmtree(trace, ignore_errors=True)
         results.append(result | {"problems": problems})
         status = "FAIL " + "; ".join(problems) if problems else "ok"
         print(f"seed {seed:6d} {result['disruption']:9s} {result.get('took', 0):5.1f}s {status}", flush=True)

@@ -137,35 +137,44 @@ class RRefContext(ContextAudit, ContextDrops):
 
     def abandon_user(self, fork_id: ForkId, error: BaseException) -> list[Action]:
         """The creating message of a remote() was never acknowledged: the RRef fails with
-        ``error`` on every use, and a delete goes to the owner at once. The owner keeps a
-        tombstone, so a creation that turns up late never runs, and one that did arrive
-        (only its ack was lost) is freed."""
+        ``error`` on every use, and a delete goes to the owner at once (once no child
+        forked from it is pending). The owner keeps a tombstone, so a creation that turns
+        up late never runs, and one that did arrive (only its ack was lost) is freed."""
         with self._lock:
             rec = self.pending_users.get(fork_id)
             if rec is None:
                 return []
             rec.error = rec.error or error
-            if rec.children:
-                return []  # its children still need the parent's fork: it stays pending
             del self.pending_users[fork_id]
             rec.confirmed, rec.alive = True, False
+            self.confirmed_users[fork_id] = rec
             self._notify()
-            if rec.owner in self.dead:
-                return []
-            self.deleting_users[fork_id] = rec
-            return [UserDelete(rec.owner, rec.rref_id, fork_id)]
+            # its children still need its fork: the delete waits until they accepted (before,
+            # such a creation stayed pending for good and its fork on the owner with it)
+            return self._maybe_delete(rec)
 
-    def give_up_user(self, fork_id: ForkId, error: BaseException) -> None:
+    def give_up_user(self, fork_id: ForkId, error: BaseException) -> list[Action]:
         """A pending user's fork request was never acknowledged (retries exhausted): the
-        RRef fails with ``error``; its parent keeps the pending child (a leak the owner
-        reports at shutdown) rather than risk freeing a value the owner may still need."""
+        RRef fails with ``error`` on every use. The owner may have registered the fork all
+        the same (only the acks were lost, or came after their deadline: an owner slowed
+        down past the retry horizon), so, as for a lost creation (``abandon_user``), a
+        delete goes to the owner - its tombstone makes a fork request that arrives later a
+        no-op - and the parent, which kept its own fork for this child, gets the
+        RREF_CHILD_ACCEPT it waits for and may let its fork go. Both leave once no child of
+        this fork is pending (they are covered by it; ``_maybe_delete``). Before, the fork
+        was only forgotten here: the owner kept it and the parent's fork for good (chaos
+        "large" runs: issue 21)."""
         with self._lock:
             rec = self.pending_users.get(fork_id)
-            if rec is None or rec.children:
-                return
+            if rec is None:
+                return []
             del self.pending_users[fork_id]
             rec.error = rec.error or error
+            rec.given_up = True
+            rec.confirmed, rec.alive = True, False
+            self.confirmed_users[fork_id] = rec
             self._notify()
+            return self._maybe_delete(rec)
 
     def on_fork_request_ack(self, fork_id: ForkId) -> list[Action]:
         with self._lock:
@@ -213,6 +222,8 @@ class RRefContext(ContextAudit, ContextDrops):
         if rec.owner in self.dead:
             return []
         self.deleting_users[rec.fork_id] = rec
+        if rec.given_up and rec.parent not in self.dead:  # its parent still waits (give_up_user)
+            return [UserDelete(rec.owner, rec.rref_id, rec.fork_id), ChildAccept(rec.parent, rec.fork_id)]
         return [UserDelete(rec.owner, rec.rref_id, rec.fork_id)]
 
     def on_user_delete_ack(self, fork_id: ForkId) -> None:

@@ -47,6 +47,10 @@ class UserRecord:
     children: int = 0  #: forks passed on from this one and not yet accepted
     error: BaseException | None = None  #: creation failure / owner death, raised on next use
     creation_deadline: float | None = None  #: remote(timeout): confirmation expected before
+    #: its fork request was never acknowledged (retries exhausted: ``give_up_user``); the
+    #: owner may have registered it all the same. It fails on every use; its delete, once
+    #: it has no child pending, goes with the RREF_CHILD_ACCEPT its parent still waits for
+    given_up: bool = False
     closed_by_shutdown: bool = False
     #: where the Python object was created: (file, line, function) of a remote() call, or a
     #: text (rref_audit.site_text writes either); "" if unknown (leak report, OwnerDiedError)

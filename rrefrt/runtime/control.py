@@ -480,7 +480,8 @@ class ControlLoop:
             if err is None:
                 self._perform(ctx.on_fork_request_ack(msg.fork_id))
             elif isinstance(err, transport.RequestTimeout):  # retries exhausted
-                ctx.give_up_user(msg.fork_id, RpcError(f"the owner never confirmed fork {msg.fork_id} of this RRef"))
+                self._perform(ctx.give_up_user(
+                    msg.fork_id, RpcError(f"the owner never confirmed fork {msg.fork_id} of this RRef")))
         elif isinstance(msg, UserDelete):
             # acknowledged, or never (retries exhausted: the owner will report the leak), or
             # the owner died: either way this worker is done with the fork

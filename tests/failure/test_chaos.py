@@ -13,17 +13,10 @@ import threading
 
 import pytest
 
-from tests.support.chaos import KINDS, OPTIONS, check, run_one
+from tests.support.chaos import OPTIONS, check, run_one
 from tests.support import Workers, free_port, poll_for
 
-#: A known open defect: about one "large" run in 20-40 under load ends with one RRef whose
-#: two forks the owner still counts after the run's settle window (its shutdown then gives
-#: up), on the code of 2026-12-01 as on today's; seeds 7, 15 and 23 of CI are "large" runs.
-#: They get one rerun until it is found (a hang or a deterministic leak still fails twice).
-_KNOWN_FLAKE = pytest.mark.flaky(reruns=1)
-
-SEEDS = [pytest.param(s, marks=_KNOWN_FLAKE) if KINDS[s % len(KINDS)] == "large" else s
-         for s in range(int(os.environ.get("RREFRT_CHAOS_RUNS", "24")))]
+SEEDS = range(int(os.environ.get("RREFRT_CHAOS_RUNS", "24")))
 
 
 @pytest.mark.timeout(60)

@@ -141,6 +141,28 @@ def test_delayed_creation_that_arrives_after_it_was_given_up_never_runs(plans):
     assert rrefrt.rpc_sync("w1", fns.calls_made) == 0
 
 
+def test_a_fork_request_never_acknowledged_leaves_nothing_behind(plans):
+    """Issue 21: the owner registers a fork whose every ack is lost (or comes after its
+    deadline), so the child gives the fork request up. The child's RRef fails; its delete
+    frees the fork on the owner and its accept lets the parent's fork go: the value is
+    freed once the parent drops it (before, the owner kept both forks for good)."""
+    plans("w1", faults.Rule("RESPONSE:RREF_FORK_REQUEST", "drop"))
+    plans("w2", retry=0.05)  # gives up after 15 attempts x 0.05 s
+    rref = rrefrt.remote("w1", fns.identity, args=(5,))
+    assert rref.to_here() == 5
+    # confirmed_by_owner() registers the received fork (NOTE [Lazy registration])
+    confirmed, value, took = rrefrt.rpc_sync("w2", fns.confirmed_then_value, args=(rref,))
+    print(f"fork request given up after {took:.2f}s (15 attempts x 0.05 s)")
+    assert confirmed is False and value == "RpcError"
+    assert rrefrt.rpc_sync("w1", faults.stats)["drop:RESPONSE:RREF_FORK_REQUEST"] >= 15
+    # w2's accept reaches w0: its pending child goes, and its own fork may be deleted
+    poll_for(lambda: rrefrt.get_debug_info()["num_pending_children"] == 0, 10, lambda: str(rrefrt.get_debug_info()))
+    del rref
+    drained("w1")
+    for w in ("w0", "w2"):
+        assert rrefrt.rpc_sync(w, fns.owner_counts)["num_confirmed_users"] == 0
+
+
 def test_leak_from_dropped_user_deletes_is_reported(workers):
     port = free_port()
     for r in range(2):

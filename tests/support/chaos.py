@@ -75,7 +75,11 @@ LARGE_OPTIONS = {**OPTIONS, "secret": "chaos-large", "heartbeat_interval": 0.3, 
 STALL_BOUND_S = LARGE_OPTIONS["heartbeat_timeout"] + LARGE_OPTIONS["heartbeat_interval"] + 4.0
 
 
-def run_one(seed: int, duration: float = 1.2) -> dict[str, Any]:
+def run_one(seed: int, duration: float = 1.2, trace_dir: str | None = None) -> dict[str, Any]:
+    """One chaos run. ``trace_dir``: every worker records a protocol trace
+    (tests/support/ptrace.py) and writes it there as ``w<rank>.jsonl``, and its result's
+    ``counts`` hold its RRef context's maps at the end of the settle window (for the
+    diagnosis of a leak: scripts/chaos.py --trace)."""
     rng = random.Random(seed)
     disruption = KINDS[seed % len(KINDS)]
     port = free_port()
@@ -90,7 +94,7 @@ def run_one(seed: int, duration: float = 1.2) -> dict[str, Any]:
                 "name": f"w{rank}", "rank": rank, "world_size": 3, "port": port,
                 "options": LARGE_OPTIONS if large else OPTIONS, "scenario": "chaos_worker", "seed": seed,
                 "duration": duration, "disruption": disruption, "marks": marks, "large_size": LARGE_SIZE,
-            }, {"RREFRT_SAME_HOST": "0"} if large else None)
+            }, ({"RREFRT_SAME_HOST": "0"} if large else {}) | ({"RREFRT_PTRACE_DIR": trace_dir} if trace_dir else {}))
         victim = workers.procs[2]
         survivors_only = disruption in ("kill", "stop")
         if disruption in ("kill", "stop"):

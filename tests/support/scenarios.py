@@ -97,6 +97,11 @@ def chaos_worker(spec: dict) -> dict:
     rank, seed = spec["rank"], spec["seed"]
     disruption, marks = spec.get("disruption", "none"), spec.get("marks", "")
     faults.install(plan_for(seed, rank))
+    trace_dir = os.environ.get("RREFRT_PTRACE_DIR")
+    if trace_dir:  # tests/support/ptrace.py: a protocol trace for the diagnosis of a leak
+        from tests.support import ptrace
+
+        ptrace.install(os.path.join(trace_dir, f"w{rank}.jsonl"))
     if marks:  # tells tests/support/chaos.py that this worker is in the group (it may stop us now)
         open(os.path.join(marks, f"w{rank}.ready"), "w").close()
     errors: dict[str, int] = {}
@@ -160,11 +165,32 @@ def chaos_worker(spec: dict) -> dict:
             holders = [h for fs in list(ctx.forks.values()) for h in list(fs.values())]
             left["fork_holders"] = {str(h): holders.count(h) for h in set(holders)}
             left["dead"] = sorted(ctx.dead)
+        if trace_dir:
+            left["state"] = _protocol_state()
         rrefrt.shutdown()
     except Exception as e:
         note(e)
+    if trace_dir:
+        ptrace.dump()
     return {"errors": errors, "samples": samples, "owner_rrefs_left": left.get("num_owner_rrefs", 0), "counts": left,
             **extra}
+
+
+def _protocol_state() -> dict:
+    """The RRef context's maps on this worker, ids as text (for the diagnosis of a leak)."""
+    from rrefrt import state
+    from tests.support.ptrace import _text
+
+    ctx = state.current().ctx
+    with ctx._lock:
+        return {
+            "owners": _text(list(ctx.owners.values())), "forks": _text(ctx.forks),
+            "pending_users": _text(list(ctx.pending_users.values())),
+            "confirmed_users": _text(list(ctx.confirmed_users.values())),
+            "deleting_users": _text(list(ctx.deleting_users.values())),
+            "pending_children": {_text(k): [_text(p.fork_id), c] for k, (p, c) in ctx.pending_children.items()},
+            "dead": sorted(ctx.dead),
+        }
 
 
 def _large_call(spec: dict, note: Any) -> dict:

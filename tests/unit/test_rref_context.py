@@ -39,7 +39,7 @@ from rrefrt.runtime.lifecycle import Lifecycle
 from rrefrt.runtime.payloads import Payloads
 from rrefrt.runtime.replies import Replies
 from rrefrt.runtime.requests import Requests
-from rrefrt.errors import OwnerDiedError
+from rrefrt.errors import OwnerDiedError, RpcError
 from rrefrt.protocol.ids import ForkId, IdGenerator, RRefId
 from rrefrt.protocol.messages import (
     ChildAccept,
@@ -1083,6 +1083,121 @@ def test_lazy_registration_of_a_fork_received_in_a_call() -> None:
     assert d.on_peer_dead(1) == [] and isinstance(rec.error, OwnerDiedError)  # the owner died
     assert d.counts() == ZERO_COUNTS and d.user_dropped(rec.fork_id) == []
     d.validate()
+
+
+def test_a_fork_request_given_up_after_the_owner_registered_it_frees_the_value() -> None:
+    """Issue 21, the chaos "large" leak, in its exact order: w0 (a user of w2's RRef) passes
+    its RRef to itself (a call to self: the fork is registered eagerly), the owner registers
+    the fork, the first ack is dropped and every retry's ack comes after its deadline (the
+    200 MB result held w2 back), so w0 gives the fork request up. The owner kept two forks
+    held by w0 for good: the given-up fork (only forgotten on w0) and w0's own fork, whose
+    pending child was never accepted. Now the given-up fork is deleted and accepted."""
+    w0, w2 = new_ctx(0), new_ctx(2)
+    urec, orec = _make_confirmed_user(w0, w2)
+    rid = urec.rref_id
+    data = w0.fork_user(urec, 0)  # rpc_sync("w0", rref_pass_on, args=(rref, ...)) from w0
+    child, acts = w0.on_fork_received(data, 0, lazy=True)  # parent is this worker: eager
+    assert isinstance(child, UserRecord) and acts == [ForkRequest(2, rid, data.fork_id, 0)]
+    for _ in range(15):  # every attempt arrives; every ack is lost or late
+        w2.on_fork_request(rid, data.fork_id, 0)
+    assert set(w2.forks[rid]) == {urec.fork_id, data.fork_id}
+    assert w0.user_dropped(data.fork_id) == []  # the call ended: unconfirmed, no delete (G1)
+    assert w0.user_dropped(urec.fork_id) == []  # the program dropped it: its child is pending
+    _validate(w0, w2)
+
+    acts = w0.give_up_user(data.fork_id, RpcError("never confirmed"))
+    assert acts == [UserDelete(2, rid, data.fork_id), ChildAccept(0, data.fork_id)]
+    assert child.error is not None and child.given_up
+    _validate(w0, w2)
+    assert w2.on_user_delete(rid, data.fork_id) == []  # w0's own fork still holds it
+    w0.on_user_delete_ack(data.fork_id)
+    assert w0.on_child_accept(data.fork_id) == [UserDelete(2, rid, urec.fork_id)]
+    assert w2.on_user_delete(rid, urec.fork_id) == [Release(orec)]
+    w0.on_user_delete_ack(urec.fork_id)
+    _validate(w0, w2)
+    for x in (w0, w2):
+        assert x.counts() == ZERO_COUNTS
+    w2.on_fork_request(rid, data.fork_id, 0)  # one more retry, late: the tombstone holds
+    assert w2.counts() == ZERO_COUNTS
+
+
+def test_a_fork_request_given_up_before_it_arrived_registers_nothing_later() -> None:
+    """A (user) passes its RRef to C; every attempt of C's fork request is still on its way
+    when C gives it up. C's delete reaches B first (or with a retried request after it,
+    over another route): the fork request that arrives afterwards registers nothing, and
+    A, accepted, frees the value. C's RRef fails on use, confirmed_by_owner() is False."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    urec, orec = _make_confirmed_user(a, b)
+    rid = urec.rref_id
+    data = a.fork_user(urec, 2)
+    crec, acts = c.on_fork_received(data, 0)
+    assert acts == [ForkRequest(1, rid, data.fork_id, 0)]
+    assert c.give_up_user(data.fork_id, RpcError("never confirmed")) == [
+        UserDelete(1, rid, data.fork_id), ChildAccept(0, data.fork_id)]
+    assert c.user_dropped(data.fork_id) == []  # the RRef object goes later: nothing more
+    with pytest.raises(RpcError):
+        c.fork_user(crec, 0)  # a failed RRef is not passed on
+    assert b.on_user_delete(rid, data.fork_id) == []
+    b.on_fork_request(rid, data.fork_id, 2)  # late: a no-op (tombstone)
+    assert set(b.forks[rid]) == {urec.fork_id}
+    c.on_user_delete_ack(data.fork_id)
+    assert a.on_child_accept(data.fork_id) == []  # A still holds its RRef
+    assert a.user_dropped(urec.fork_id) == [UserDelete(1, rid, urec.fork_id)]
+    assert b.on_user_delete(rid, urec.fork_id) == [Release(orec)]
+    a.on_user_delete_ack(urec.fork_id)
+    _validate(a, b, c)
+    for x in (a, b, c):
+        assert x.counts() == ZERO_COUNTS
+
+
+def test_a_given_up_fork_with_a_child_pending_goes_once_the_child_accepts() -> None:
+    """C gave its fork request up while a child it forked onward (to D) is unaccepted: the
+    child is covered by C's fork, so C's delete and its accept to A wait for D's accept;
+    a dead parent gets no accept."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    urec, orec = _make_confirmed_user(a, b)
+    rid = urec.rref_id
+    data = a.fork_user(urec, 2)
+    crec, _ = c.on_fork_received(data, 0)
+    b.on_fork_request(rid, data.fork_id, 2)
+    grand = c.fork_user(crec, 3)
+    assert c.give_up_user(data.fork_id, RpcError("never confirmed")) == []
+    c.validate()
+    assert c.counts()["num_pending_users"] == 0 and c.counts()["num_pending_children"] == 1
+    assert c.on_child_accept(grand.fork_id) == [UserDelete(1, rid, data.fork_id), ChildAccept(0, data.fork_id)]
+    c.validate()
+    d = new_ctx(2)  # the same with the parent dead meanwhile
+    drec, _ = d.on_fork_received(ForkData(rid, ForkId(0, 50), 1, 0, "object"), 0)
+    d.on_peer_dead(0)
+    assert d.give_up_user(drec.fork_id, RpcError("never confirmed")) == [UserDelete(1, rid, drec.fork_id)]
+    d.validate()
+
+
+def test_an_abandoned_creation_with_a_child_pending_is_deleted_once_the_child_accepts() -> None:
+    """A remote() whose creation was never acknowledged, passed on meanwhile: the child is
+    covered by the creator's fork, so the delete waits for its accept - and then goes
+    (before, the creation stayed pending for good, its fork on the owner with it)."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+    urec = a.new_remote_user(1)
+    rid = urec.rref_id
+    data = a.fork_user(urec, 2)
+    orec = b.on_remote_request(rid, urec.fork_id, 0, "object")  # it arrived; every ack is lost
+    assert orec is not None and b.set_value(orec, "v") == []
+    crec, acts = c.on_fork_received(data, 0)
+    assert acts == [ForkRequest(1, rid, data.fork_id, 0)]
+    assert a.abandon_user(urec.fork_id, RpcError("creation lost")) == []  # its child needs it
+    a.validate()
+    b.on_fork_request(rid, data.fork_id, 2)
+    assert c.on_fork_request_ack(data.fork_id) == [ChildAccept(0, data.fork_id)]
+    assert a.on_child_accept(data.fork_id) == [UserDelete(1, rid, urec.fork_id)]
+    assert b.on_user_delete(rid, urec.fork_id) == []
+    a.on_user_delete_ack(urec.fork_id)
+    assert c.user_dropped(data.fork_id) == [UserDelete(1, rid, data.fork_id)]
+    assert b.on_user_delete(rid, data.fork_id) == [Release(orec)]
+    c.on_user_delete_ack(data.fork_id)
+    _validate(a, b, c)
+    for x in (a, b, c):
+        assert x.counts() == ZERO_COUNTS
 
 
 def test_child_accepts_to_one_parent_are_batched() -> None:
