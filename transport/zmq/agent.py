@@ -278,10 +278,7 @@ class ZmqTransport:
         """Another transport's verdict (the composite's same-host path saw the process go):
         judged here too and spread to every member as this worker's own (NOTE [Membership]
         in rrefrt_transport.zmq.heartbeat). Any thread."""
-        try:
-            self._hb.loop.call_soon(lambda: self._hb.declare(peer_id, cause))
-        except LoopClosed:
-            pass
+        self._hb.declare(peer_id, cause)
 
     # ------------------------------------------------------------------ API (any thread)
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:

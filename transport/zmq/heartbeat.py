@@ -188,7 +188,9 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ any thread
     def declare(self, peer: int, cause: str) -> None:
-        """Declare ``peer`` dead on this worker's own evidence (tells the others)."""
+        """Declare ``peer`` dead on this worker's own evidence, or on another transport's
+        (the composite's same-host path saw its process go): judged on the heartbeat thread
+        and told to the others as this worker's own verdict (NOTE [Membership])."""
         self._schedule(lambda: self._verdict(self.table.declare(peer, cause), tell=True))
 
     def forget(self, peer: int, cause: str) -> None:
@@ -310,11 +312,6 @@ class Heartbeat:
             for other in self.table.live():
                 if other != peer and self._send(other, notice):
                     self.stats["suspicions_sent"] += 1
-
-    def declare(self, peer: int, cause: str) -> None:
-        """Heartbeat thread: ``peer`` is dead on another transport's evidence; judged and told
-        as a verdict of this worker's own (NOTE [Membership])."""
-        self._verdict(self.table.declare(peer, cause), tell=True)
 
     def _verdict(self, v: Verdict | None, tell: bool) -> None:
         if v is None:
