@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from typing import Any
 
 import pytest
 

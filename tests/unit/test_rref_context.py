@@ -1224,7 +1224,6 @@ def test_a_batch_of_deletes_ends_as_the_same_deletes_one_by_one() -> None:
     one do, for every kind of record: ready values (freed together, one ``Releases``), a
     value with another fork, a creation still running, a placeholder whose creation may
     come, a creation given up as lost, a duplicate and an unknown fork."""
-    from rrefrt.protocol.messages import Releases
 
     def owner() -> tuple[RRefContext, list[tuple[Any, Any]]]:
         b = new_ctx(1)

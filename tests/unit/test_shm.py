@@ -7,7 +7,6 @@ import gc
 import os
 import queue
 import threading
-import time
 
 import pytest
 
