@@ -111,7 +111,7 @@ def test_sigkill_fails_pending_within_a_second() -> None:
         errors: queue.Queue = queue.Queue()
         for _ in range(20):
             g.t.request(1, IGNORE, None, [b"x"], 60.0, lambda m, f, e: errors.put((time.monotonic(), e)))
-        time.sleep(0.1)  # let them reach the peer (not a synchronisation: it only makes them pending)
+        poll_for(lambda: g.t.stats["messages_sent"] >= 20, 5, "the requests are written")
         t0 = time.monotonic()
         g.children[0].kill()
         got = [errors.get(timeout=5) for _ in range(20)]
@@ -235,7 +235,7 @@ def test_close_never_hangs_with_a_stopped_peer_and_a_blocked_sender() -> None:
 
         th = threading.Thread(target=blocked, daemon=True)
         th.start()
-        time.sleep(0.3)  # the sender fills the socket and blocks
+        poll_for(lambda: g.t.queued_bytes(1) > 0 or not outcome.empty(), 10, "the sender fills the socket")
         t0 = time.monotonic()
         g.t.close(2.0)
         assert time.monotonic() - t0 < 3.0
