@@ -1,6 +1,6 @@
 """The benchmark's --quick run as a smoke test: torch and rrefrt run every workload of the
-2-worker (point-to-point), 3-worker (forks) and 4-worker (init + shutdown) groups to the end,
-after the bytecode precompile and a warm-up group each. No ratio is asserted (CI machines
+2-worker (point-to-point) group to the end, after the bytecode precompile and a warm-up group
+each (the 3- and 4-worker groups would double its time in CI: each worker imports torch). No ratio is asserted (CI machines
 are too noisy for that). The table's arithmetic (paired ratios over interleaved rounds, rate
 rows, targets, the variants' rows, CPU per call) is checked on made-up rounds, without
 starting any process."""
@@ -32,26 +32,24 @@ def bench_rpc():
 def test_bench_quick_runs(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_rpc.py"), "--quick", "--timeout", "150", "--json", str(out),
-         "--pycache", str(tmp_path / "pycache")],
+        [sys.executable, str(ROOT / "bench" / "bench_rpc.py"), "--quick", "--groups", "p2p", "--timeout", "150",
+         "--json", str(out), "--pycache", str(tmp_path / "pycache")],
         capture_output=True, text=True, timeout=280, env=dict(os.environ),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
     for row in ("rpc_sync no-op p50", "rpc_sync no-op p99", "tensor round trip 4 KB (rate)",
-                "remote() + to_here() p99", "user->user forks/s (3 workers)", "owner drain after a drop",
-                "import + init + shutdown, 4 workers", "of which import", "of which init_rpc"):
+                "remote() + to_here() p99", "owner drain after a drop"):
         assert row in text, row
     assert "bench_rpc.py --quick" in text  # the command line that produced the table
-    assert "p2p: 2 workers on" in text and "forks: 3 workers on" in text
+    assert "p2p: 2 workers on" in text
     assert "modules compiled during a measured init" not in text, text[-3000:]
     assert list((tmp_path / "pycache").rglob("rrefrt/runtime/*.pyc")), "rrefrt's bytecode was not precompiled"
     report = json.loads(out.read_text())
     res = {b: report["runs"][b][0]["results"] for b in ("torch", "rrefrt")}
     for b, r in res.items():
-        for key in ("sync_cpu_us", "tensor_4kb_cpu_us", "remote_cpu_us", "forks_cpu_us", "async_cpu_us"):
+        for key in ("sync_cpu_us", "tensor_4kb_cpu_us", "remote_cpu_us", "async_cpu_us"):
             assert r.get(key, 0) > 0, (b, key)
-        assert 0 < r["import4_s"] < r["life4_s"], b
 
 
 def _round(**results):
