@@ -132,6 +132,9 @@ def init_rpc(
             secret=secret.encode() if isinstance(secret, str) else secret,
             world_size=spec.world_size or MAX_RANKS,
             kind=os.environ.get("RREFRT_TRANSPORT", DEFAULT_TRANSPORT),
+            # NOTE [Lazy connections] in transport/zmq/agent.py: RREFRT_CONNECT=eager forms
+            # the whole mesh at the join, as before
+            connect="eager" if os.environ.get("RREFRT_CONNECT", "lazy").strip().lower() == "eager" else "lazy",
             # dynamic: the same-host plane forms once, at a join; later peers go through zmq
             extra={"auto_inner": "zmq", **({"same_host": False} if dynamic else {})},
         )

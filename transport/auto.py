@@ -19,7 +19,9 @@ Rules:
    spreads to every member, as its own verdicts - a death the unix path saw first (an EOF
    from a connection admitted under a member's identity must not make this worker alone
    hold that member dead). Silence is judged by the inner
-   transport alone: zmq's echo is answered by libzmq without the GIL, so a handler that holds
+   transport alone (which, with lazy connections, watches a peer from its first contact:
+   the first message to or from it over the unix path asks it to, ``watch``): zmq's echo
+   is answered by libzmq without the GIL, so a handler that holds
    the GIL or deadlocks is not taken for a death (found 2026-11-30: the unix transport's
    Python-level pings declared such a worker dead after heartbeat_timeout), while a stopped
    or partitioned process falls silent on both.
@@ -100,6 +102,8 @@ class AutoTransport:
         #: routed locally again, also when that happened before the join returned
         self._closed_paths: set[int] = set()
         self._hook: Any = None
+        #: Rule 3: peers whose liveness the inner transport was asked to watch
+        self._watched: set[int] = set()
 
     # ------------------------------------------------------------------ setup
     def listen(self) -> PeerAddress:
@@ -157,7 +161,18 @@ class AutoTransport:
     # ------------------------------------------------------------------ routing
     def _via(self, dest: int) -> Transport:
         local = self.local
-        return local if local is not None and dest in self._local_ids else self.inner  # type: ignore[return-value]
+        if local is not None and dest in self._local_ids:
+            if dest not in self._watched:
+                self._watch(dest)
+            return local  # type: ignore[return-value]
+        return self.inner
+
+    def _watch(self, dest: int) -> None:
+        """Rule 3: the inner transport judges the silence of a peer reached over the unix path."""
+        self._watched.add(dest)
+        watch = getattr(self.inner, "watch", None)
+        if watch is not None:
+            watch(dest)
 
     def request(
         self, dest: int, kind: int, meta: Any, frames: Sequence[Any], timeout: float, on_done: OnDone, label: str = ""
@@ -170,6 +185,8 @@ class AutoTransport:
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
         """Rule 5: the answer goes back on the transport its request came in on."""
         if msg_id & LOCAL_TAG and self.local is not None:
+            if dest not in self._watched:
+                self._watch(dest)
             self.local.respond(dest, msg_id & ~LOCAL_TAG, meta, frames, label)
         else:
             self.inner.respond(dest, msg_id, meta, frames, label)

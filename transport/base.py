@@ -13,7 +13,9 @@ Theory of operation:
 2. ``listen()`` binds wherever the implementation sees fit for ``config.host`` and returns
    a ``PeerAddress`` to publish at rendezvous. Endpoint choice (ipc on one host, tcp across
    hosts, a same-host data plane) is the transport's business, never the runtime's.
-3. ``connect_peers(peers, timeout)`` joins the mesh. From then on the runtime sends with
+3. ``connect_peers(peers, timeout)`` joins the group: it learns the members and may connect
+   to them (all of them, or - ``TransportConfig.connect="lazy"`` - only a bounded few, the
+   others on first use). From then on the runtime sends with
    ``request`` / ``send`` / ``respond`` and asks questions: ``is_alive``, ``is_local``,
    ``dead_peers``. In a dynamic group ``add_peers`` / ``remove_peer`` change the mesh
    of a running transport (docs/dynamic-groups.md). Callbacks (``on_message``, a request's
@@ -89,6 +91,12 @@ class TransportConfig:
     kind: str = "zmq"
     #: same-host channels (ipc / a same-host data plane) may be used between workers of one host
     same_host: bool = True
+    #: "lazy": connect to a peer on first use (and to ``join_fanout`` peers at the join), so a
+    #: worker's connections grow with the peers it talks to; "eager": the whole mesh at the
+    #: join (NOTE [Lazy connections] in rrefrt_transport.zmq.agent). init_rpc asks for
+    #: "lazy" unless RREFRT_CONNECT=eager; a transport built directly joins eagerly
+    connect: str = "eager"
+    join_fanout: int = 1
     #: implementation-specific settings
     extra: dict[str, Any] = field(default_factory=dict)
 

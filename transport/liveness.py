@@ -46,8 +46,10 @@ Rule 6 (a death by silence needs a second witness): a settled peer X silent for 
     (a) another member W suspects X too: W's suspicion (``suspicion(X, W)``) arrived within
         the last T and after X was last heard here, and W itself is settled and not
         suspected here ("confirmed by" W); or
-    (b) X is this worker's only settled peer (a group of two, or the last two alive): no
-        second witness can exist, so this worker's own, current liveness is the witness; or
+    (b) X is this worker's only settled peer (a group of two, or the last two alive), or
+        every other settled peer answered this suspicion that it does not watch X
+        (``unwatched``: lazy connections watch only the peers a worker talks to): no second
+        witness can exist, so this worker's own, current liveness is the witness; or
     (c) nobody confirmed it for ``lone_factor`` x T of silence (default 2 x T: one link cut,
         the other witnesses still hear X).
     Bounds, from the last echo of X: (a) T + one beat (the later witness's suspicion) + a
@@ -65,6 +67,13 @@ Rule 7 (silence during the join is judged by the join's progress): adding JOININ
     silence (the join's own timeout bounds them). Bound: a death by silence during a join
     is seen at most Rule 6's bound after the last arrival, and never later than
     ``join_timeout`` + Rule 6's bound after the join began.
+Rule 8 (first contact; NOTE [Lazy connections] in ``rrefrt_transport.zmq.agent``): a peer
+    watched from its first contact on (``add(..., mark=False, contact_timeout=C)``) starts
+    no join (Rule 7's mark is the group's join, not one pair's first word) and is JOINING
+    until first heard; if it is still not heard C seconds later (its echo never answered:
+    it is gone, or unreachable from here), it is dead (event UNREACHABLE) when this
+    worker's own liveness is current (Rule 5). Bound: a peer that died before a worker
+    first used it is dead for that worker C + a tick after the first use.
 """
 
 from __future__ import annotations
@@ -89,6 +98,7 @@ class Event(enum.Enum):
     GRACE_EXPIRED = "grace_expired"  #: SUSPECT for longer than route_grace
     SILENT = "silent"  #: UP or SUSPECT and its silence is death (Rule 6)
     NOTICE = "notice"  #: another member declared it dead, or we are closing on it
+    UNREACHABLE = "unreachable"  #: JOINING past its first contact's deadline (Rule 8)
 
 
 S, E = PeerState, Event
@@ -96,6 +106,7 @@ S, E = PeerState, Event
 TRANSITIONS: dict[tuple[PeerState, Event], PeerState] = {
     (S.JOINING, E.HEARD): S.UP,
     (S.JOINING, E.NOTICE): S.DEAD,
+    (S.JOINING, E.UNREACHABLE): S.DEAD,
     (S.UP, E.ROUTE_LOST): S.SUSPECT,
     (S.UP, E.SILENT): S.DEAD,
     (S.UP, E.NOTICE): S.DEAD,
@@ -124,6 +135,8 @@ class _Entry:
     cause: str = ""  #: why it is DEAD
     silent_at: float | None = None  #: since when this worker suspects it by silence (Rule 6)
     suspected_by: dict[int, float] = field(default_factory=dict)  #: member -> when its suspicion arrived
+    unwatched_by: dict[int, float] = field(default_factory=dict)  #: member -> when it said it does not watch this peer
+    contact_by: float | None = None  #: Rule 8: heard by then, or dead
 
 
 class LivenessTable:
@@ -183,18 +196,27 @@ class LivenessTable:
             return [p for p, e in self._peers.items() if e.silent_at is not None and e.state in _SETTLED]
 
     # ------------------------------------------------------------------ events
-    def add(self, peers: Iterable[int], join_timeout: float | None = None) -> None:
+    def add(
+        self, peers: Iterable[int], join_timeout: float | None = None, mark: bool = True,
+        contact_timeout: float | None = None,
+    ) -> None:
         """Members, JOINING unless known; new ones start a join (Rule 7) that ends at the
-        latest ``join_timeout`` (else the table's) from now."""
+        latest ``join_timeout`` (else the table's) from now - unless ``mark`` is False (a
+        first contact, Rule 8: dead unless heard within ``contact_timeout``)."""
         now = self._clock()
         with self._lock:
             fresh = False
             for p in peers:
                 if p not in self._peers:
-                    self._peers[p] = _Entry(heard_at=now)
+                    self._peers[p] = _Entry(heard_at=now, contact_by=None if contact_timeout is None else now + contact_timeout)
                     fresh = True
-            if fresh:
+            if fresh and mark:
                 self._start_join(now, join_timeout)
+
+    def drop(self, peer: int) -> None:
+        """Forget ``peer`` (a new incarnation of its id is not watched until first contact)."""
+        with self._lock:
+            self._peers.pop(peer, None)
 
     def replace(self, peer: int, join_timeout: float | None = None) -> None:
         """A new incarnation of ``peer`` joins (dynamic groups): judged afresh, JOINING."""
@@ -232,10 +254,13 @@ class LivenessTable:
             if self._step(e, E.ROUTE_OK if ok else E.ROUTE_LOST) is S.SUSPECT and before is not S.SUSPECT:
                 e.lost_at = self._clock()
 
-    def declare(self, peer: int, cause: str) -> Verdict | None:
-        """Declare ``peer`` dead (a DEAD_NOTICE, say); a Verdict iff it was not dead yet."""
+    def declare(self, peer: int, cause: str, add: bool = False) -> Verdict | None:
+        """Declare ``peer`` dead (a DEAD_NOTICE, say); a Verdict iff it was not dead yet.
+        ``add``: also a member not watched here (its death is learnt from those who do)."""
         with self._lock:
             e = self._peers.get(peer)
+            if e is None and add:
+                e = self._peers[peer] = _Entry(heard_at=self._clock())
             if e is None or e.state is S.DEAD:
                 return None
             self._step(e, E.NOTICE)
@@ -254,6 +279,14 @@ class LivenessTable:
             if e.silent_at is None or e.state not in _SETTLED or not self._own_liveness_current(now, peer):
                 return None
             return self._judge_silence(peer, e, now)
+
+    def unwatched(self, peer: int, by: int) -> None:
+        """Member ``by`` answered our suspicion of ``peer``: it does not watch it (Rule 6 (b))."""
+        now = self._clock()
+        with self._lock:
+            e = self._peers.get(peer)
+            if e is not None and by != peer:
+                e.unwatched_by[by] = now
 
     def tick(self) -> list[Verdict]:
         """Judge every peer by the clock (Rules 2-3, 5-7); return those newly dead."""
@@ -280,6 +313,12 @@ class LivenessTable:
                 v: Verdict | None = None
                 if e.state is S.SUSPECT and now - e.lost_at > self.route_grace:
                     v = self._kill(p, e, E.GRACE_EXPIRED, f"its connection was lost for over {self.route_grace:.1f}s")
+                elif (
+                    e.state is S.JOINING and e.contact_by is not None and now > e.contact_by
+                    and self._own_liveness_current(now, p)
+                ):  # Rule 8
+                    v = self._kill(p, e, E.UNREACHABLE, "it never answered a heartbeat within "
+                                   f"{now - e.heard_at:.1f}s of this worker's first contact (gone, or unreachable)")
                 elif (
                     self.judge_silence
                     and not isolated
@@ -344,7 +383,9 @@ class LivenessTable:
             we = self._peers.get(w)
             if we is not None and we.state in _SETTLED and we.silent_at is None and now - at <= t and at > e.heard_at:
                 return self._kill(p, e, E.SILENT, f"it sent no heartbeat for over {t:.1f}s (confirmed by worker id {w})")
-        if not any(q != p and qe.state in _SETTLED for q, qe in self._peers.items()):
+        since = e.silent_at if e.silent_at is not None else now
+        if not any(q != p and qe.state in _SETTLED and e.unwatched_by.get(q, float("-inf")) < since
+                   for q, qe in self._peers.items()):
             return self._kill(p, e, E.SILENT, f"it sent no heartbeat for over {t:.1f}s")
         if self._silence(e, now) > self.lone_factor * t:
             return self._kill(p, e, E.SILENT, f"it sent no heartbeat for over {self.lone_factor * t:.1f}s")

@@ -38,6 +38,10 @@ A message is one ZeroMQ multipart message on a ROUTER-to-ROUTER mesh::
                     that peer for over heartbeat_timeout; the receiver counts it as a
                     second witness of its own suspicion (Rule 6 in rrefrt_transport.liveness),
                     never as a verdict. Repeated every heartbeat while it lasts
+    UNWATCHED (8)   liveness socket: [peer id, peer incarnation]: the answer to a SUSPECT
+                    from a member that does not watch that peer (it never exchanged a
+                    HELLO with it: NOTE [Lazy connections] in rrefrt_transport.zmq.agent), so
+                    it can never be a second witness (Rule 6 (b) in rrefrt_transport.liveness)
 
 The data socket and the liveness socket are two ROUTER sockets with the same routing id;
 the liveness socket never carries kinds >= 16, RESPONSE or HELLO.
@@ -57,7 +61,7 @@ from typing import Any
 import msgpack
 
 WIRE_VERSION = 1
-HELLO, HELLO_ACK, PING, RESPONSE, DEAD_NOTICE, FENCED, SUSPECT = 1, 2, 3, 4, 5, 6, 7
+HELLO, HELLO_ACK, PING, RESPONSE, DEAD_NOTICE, FENCED, SUSPECT, UNWATCHED = 1, 2, 3, 4, 5, 6, 7, 8
 FIRST_APP_KIND = 16
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096
@@ -80,6 +84,23 @@ def worker_id_of(rid: bytes) -> int | None:
         return None
     wid = int(rid[1:])
     return wid if routing_id(wid) == rid else None
+
+
+def outgoing_id(worker_id: int) -> bytes:
+    """Our name for the pipe we connect to ``worker_id`` (ZMQ_CONNECT_ROUTING_ID): distinct
+    from ``routing_id(worker_id)``, the name of the pipe that worker connects to us, so that
+    both may exist at once on one ROUTER (NOTE [Lazy connections] in rrefrt_transport.zmq.agent)."""
+    return b"w%d>" % worker_id
+
+
+def pipe_owner(rid: bytes) -> tuple[int, bool] | None:
+    """(worker id, outgoing) for ``routing_id(w)`` (its pipe to us: outgoing False) or
+    ``outgoing_id(w)`` (our pipe to it: True); None for anything else."""
+    if rid[-1:] == b">":
+        wid = worker_id_of(rid[:-1])
+        return None if wid is None else (wid, True)
+    wid = worker_id_of(rid)
+    return None if wid is None else (wid, False)
 
 
 _packers = threading.local()  #: one msgpack Packer per thread (packb builds one per call)

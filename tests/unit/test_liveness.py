@@ -256,3 +256,40 @@ def test_rule7_silence_during_the_join_is_judged_by_its_progress_and_bounded_by_
         assert t.suspects() == [1], join_timeout
         v = t.suspicion(1, by=2)
         assert v is not None and v.peer == 1, join_timeout
+
+
+def test_a_first_contact_never_answered_is_a_death_after_its_timeout_rule_8() -> None:
+    clock = Clock()
+    t = LivenessTable(3.0, 0.5, clock)
+    t.add([1], mark=False, contact_timeout=7.0)
+    assert run(t, clock, 106.9) == []  # JOINING within its contact timeout: not judged
+    (v,) = run(t, clock, 107.2)
+    assert v.peer == 1 and "first contact" in v.cause and t.state(1) is PeerState.DEAD
+    t.add([2], mark=False, contact_timeout=7.0)  # one heard in time is up, past its contact timeout
+    out = []
+    while clock.t < 115.0:
+        clock.t = round(clock.t + 0.5, 6)
+        t.heard(2)
+        out += t.tick()
+    assert out == [] and t.state(2) is PeerState.UP
+
+
+def test_a_suspicion_nobody_else_can_witness_stands_alone_rule_6b() -> None:
+    """Peers 1 and 2 are settled; 1 falls silent. 2 does not watch 1 (lazy connections) and
+    says so: no second witness can exist, so 1 is dead at T + a tick, not 2 x T."""
+    clock = Clock()
+    t = LivenessTable(3.0, 0.5, clock)
+    t.add([1, 2], mark=False)
+    t.heard(1)
+    t.heard(2)
+    out = []
+    while clock.t < 103.2:
+        clock.t = round(clock.t + 0.1, 6)
+        t.heard(2)
+        out += t.tick()
+    assert out == [] and t.suspects() == [1]  # suspected, nobody confirmed it yet
+    t.unwatched(1, by=2)
+    clock.t += 0.1
+    t.heard(2)
+    (v,) = t.tick()
+    assert v.peer == 1 and t.state(1) is PeerState.DEAD

@@ -56,6 +56,32 @@ past the heartbeat timeout, say) can never complete the join (its HELLOs are dro
 answered FENCED): ``connect_peers`` raises ``Fenced`` at once, naming who expelled it, rather
 than time out blaming the peers that refused it ("could not reach 'w26', 'w27'").
 
+NOTE [Lazy connections] (issue 22): ``connect_peers`` learns the members (from the store's
+records) and, by default (``TransportConfig.connect="lazy"``), connects to ``join_fanout``
+of them only (the next ids: a differing job secret still fails a join at once); a worker
+connects to any other peer when it first sends to it, so its connections and descriptors
+grow with the peers it talks to, not with the group. ``connect="eager"`` keeps the mesh of
+before (every pair connected and watched at the join).
+1. Pipes: a ROUTER both accepts and connects. The pipe we connect to X is named
+   ``wire.outgoing_id(X)`` (``b"w<X>>"``, ZMQ_CONNECT_ROUTING_ID); the pipe X connects to us
+   carries X's own routing id ``b"w<X>"``, so both may exist when both sides connect at
+   once. Received messages map both names to X (``wire.pipe_owner``).
+2. Sending to X uses the pipe chosen for X once and kept (per-pair FIFO): ours if we
+   connected first, else X's, known once its HELLO arrived on it; with neither, we connect
+   now. Data waits in X's backlog until the pipe is validated: a HELLO_ACK of X's current
+   incarnation on our pipe (HELLO repeats every PROBE_S until answered: X drops HELLOs
+   until it knows us), or X's HELLO on its own.
+3. A pipe carries application messages only after a HELLO or HELLO_ACK with the sender's
+   current incarnation arrived on it (both sides send one first on every pipe they send
+   on): a message from an old incarnation, or before its HELLO, is dropped and counted.
+4. Liveness: the heartbeat watches X (echo PINGs, NOTE [Liveness]) from the first HELLO
+   exchanged with it, on both sides; a peer never talked to is not judged. Its death is
+   learnt from a DEAD_NOTICE of a worker that watches it, or at first use: a first contact
+   that is never answered is a death after ``contact_timeout`` (liveness Rule 8).
+5. A failed handshake at a first contact after the join (a stranger's keys, a different
+   secret) fails what was sent to X with AuthenticationFailed naming X and the cause, and
+   whatever is sent later (NOTE [Handshake failures]).
+
 NOTE [Send path]: ``request`` / ``send`` / ``respond`` run on any thread: they check the
 size (Rule 5) and the header, lend large frames (NOTE [Lent frames] in
 ``rrefrt_transport.zmq.lend``) and hand the message to the data loop, which registers a
@@ -138,6 +164,9 @@ class ZmqTransport:
         self._local: dict[int, bool] = {}  #: worker id -> same host
         self._names: dict[int, str] = {}
         self._adding: dict[int, int] = {}  #: id -> incarnation: add_peers issued, setup not yet run
+        self._eager = c.connect == "eager"  #: NOTE [Lazy connections]
+        self._awaited: set[int] = set()  #: the peers a join waits for (data loop)
+        self._watched: set[int] = set()  #: peers the heartbeat watches (data loop)
         self._self_pending: dict[int, Pending] = {}  #: msg_id -> request sent to ourselves
         self._all_up = threading.Event()
         self._closed = threading.Event()
@@ -161,6 +190,8 @@ class ZmqTransport:
             self._ctx, c.worker_id, c.name, c.incarnation, c.heartbeat_interval, self.table, auth, self.stats,
             self._peer_verdict, self._on_fenced, self._wake_join,
         )
+        if c.extra.get("contact_timeout"):
+            self._hb.contact_timeout = float(c.extra["contact_timeout"])
         self._echo = Echo(self._ctx, c.worker_id, auth)
         self._loop = IOLoop(f"rrefrt-io-{c.name}", self.stats, self._shutdown_data)
         self._loop.register(self._sock, self._recv_all)
@@ -210,22 +241,30 @@ class ZmqTransport:
         self._loop.call_soon(lambda: self._loop.every(self.config.heartbeat_interval, self._housekeeping))
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
-        """Join the mesh: connect to peers with a higher id (ipc when the peer is on this
-        host, tcp otherwise), exchange HELLO, hear each one's heartbeat, and return once all
-        are up; raise TransportError naming the missing peers after ``timeout`` seconds,
-        AuthenticationFailed naming those that fail the handshake (NOTE [Handshake failures]),
-        or at once ``Fenced`` naming the member that expelled this worker meanwhile."""
+        """Join the group (NOTE [Lazy connections]): learn the members; connect to those
+        ``mesh.contacts`` names (ipc when the peer is on this host, tcp otherwise), exchange
+        HELLO, hear each one's heartbeat, and return once they are up; raise TransportError
+        naming the missing peers after ``timeout`` seconds, AuthenticationFailed naming those
+        that fail the handshake (NOTE [Handshake failures]), or at once ``Fenced`` naming
+        the member that expelled this worker meanwhile."""
         self._check_usable()
         plan = self._plan(peers)
-        self._loop.call_soon(lambda: self._setup(plan))
-        self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan], timeout)
+        contact = mesh.contacts(self.id, [s.id for s, *_ in plan], self._eager, self.config.join_fanout)
+        members = [(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan]
+        if self._eager:  # before the data loop's setup: a first contact must find them known
+            self._hb.join(members, timeout)
+        else:
+            self._hb.know(members)
+        awaited = {s.id for s, *_ in plan} if self._eager else contact
+        self._loop.call_soon(lambda: self._setup(plan, contact, awaited))
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
             raise self._join_error
         if self._fenced is not None:  # NOTE [Fenced while joining]
             raise self._fenced
         if not joined:
-            missing = ", ".join(sorted(repr(p.spec.name) for p in list(self._peers.values()) if not self._is_up(p)))
+            missing = ", ".join(sorted(repr(p.spec.name) for p in list(self._peers.values())
+                                       if p.spec.id in self._awaited and not self._is_up(p)))
             raise TransportError(f"worker {self.name!r} could not reach {missing or 'its peers'} within {timeout:.1f}s")
 
     def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
@@ -233,14 +272,26 @@ class ZmqTransport:
         self._check_usable()
         known = {i: p.spec.incarnation for i, p in list(self._peers.items())} | self._adding
         fresh = [s for s in peers if s.id != self.id and known.get(s.id) != s.incarnation]
+        ids = {s.id for s in peers if s.id != self.id}
+        # eager: the mesh rule; lazy: a joiner that waits meets those it waits for, the
+        # members it joins meet it on first use (NOTE [Lazy connections])
+        contact = mesh.contacts(self.id, [s.id for s in fresh], True, 0) if self._eager else (ids if timeout > 0 else set())
+        awaited = {s.id for s in fresh} if self._eager else set(contact)
         if fresh:  # peers already added (the same incarnation) are only waited for
             steps = self._plan(fresh)
             self._adding.update({s.id: s.incarnation for s in fresh})
             self._join_error = None
-            self._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
-            self._loop.call_soon(lambda: self._setup(steps))
-            self._hb.join([(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps],
-                          timeout if timeout > 0 else None)
+            members = [(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps]
+            if self._eager or contact:
+                self._hb.join(members, timeout if timeout > 0 else None)
+            else:
+                self._hb.know(members)
+            if awaited:
+                self._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
+            self._loop.call_soon(lambda: self._setup(steps, contact, awaited))
+        elif contact:
+            self._all_up.clear()
+            self._loop.call_soon(lambda: self._setup([], contact, awaited))
         if timeout <= 0:
             return
         deadline = time.monotonic() + timeout
@@ -273,6 +324,16 @@ class ZmqTransport:
             self._loop.call_soon(detach)
         except Exception:  # closed: nothing to detach
             pass
+
+    def watch(self, peer_id: int) -> None:
+        """Any thread: watch ``peer_id``'s liveness from now on, without a data connection
+        (the composite transport talks to it over another path: transport/auto.py)."""
+        if peer_id != self.id:
+            self._schedule(lambda: self._watch(peer_id))
+
+    def connected_peers(self) -> set[int]:
+        """The peers this worker has a data pipe with (ours or theirs): NOTE [Lazy connections]."""
+        return {i for i, p in list(self._peers.items()) if p.rid is not None}
 
     def declare_dead(self, peer_id: int, cause: str) -> None:
         """Another transport's verdict (the composite's same-host path saw the process go):
@@ -364,7 +425,7 @@ class ZmqTransport:
             raise AgentClosed(f"the transport of worker {self.name!r} is closed") from None
 
     def _is_up(self, peer: Peer) -> bool:
-        return peer.joined and self.table.state(peer.spec.id) is not PeerState.JOINING
+        return peer.joined and self.table.state(peer.spec.id) not in (None, PeerState.JOINING)
 
     def _wake_join(self) -> None:
         """Heartbeat thread: a peer was heard for the first time."""
@@ -374,13 +435,14 @@ class ZmqTransport:
             pass
 
     def _check_all_up(self) -> None:
-        if all(self._is_up(p) or self.table.state(p.spec.id) is PeerState.DEAD for p in self._peers.values()):
+        awaited = [self._peers[i] for i in self._awaited if i in self._peers]
+        if all(self._is_up(p) or self.table.state(p.spec.id) is PeerState.DEAD for p in awaited):
             self._all_up.set()
         elif self._join_error is None:  # a peer added later, or a new incarnation, is joining
             self._all_up.clear()
 
     def _wake_hint(self, now: float) -> float | None:
-        if (self._peers and not self._all_up.is_set()) or any(p.backlog for p in self._peers.values()):
+        if (self._awaited and not self._all_up.is_set()) or any(p.backlog for p in self._peers.values()):
             return now + PROBE_S
         return None
 
@@ -389,8 +451,8 @@ class ZmqTransport:
         """Periodic (and every loop pass while joining or backlogged, via the wake hint)."""
         if not self._all_up.is_set() and self._join_error is None:
             now = time.monotonic()
-            missing = [p.spec.name for p in self._peers.values()
-                       if not p.joined and p.spec.id < self.id and self.table.state(p.spec.id) is not PeerState.DEAD]
+            missing = [p.spec.name for i in self._awaited if (p := self._peers.get(i)) is not None
+                       and not p.joined and not p.connected and self.table.state(i) is not PeerState.DEAD]
             err = self._policy.check_accepts(now, missing, self.endpoints)
             if err is not None:
                 self._fail_join(err)
@@ -401,7 +463,7 @@ class ZmqTransport:
         now = time.monotonic()
         for peer in self._peers.values():
             if not peer.joined:
-                if peer.spec.id > self.id and now >= peer.hello_due:
+                if peer.connected and peer.error is None and now >= peer.hello_due:
                     peer.hello_due = now + PROBE_S
                     self._try_send(peer, self._hello(wire.HELLO))
             elif peer.backlog:
@@ -417,8 +479,9 @@ class ZmqTransport:
             msg = sock.recv_multipart(_NOBLOCK, copy=False)
             self.stats["messages_received"] += 1
             self.stats["bytes_received"] += sum(len(f) for f in msg)
-            wid = wire.worker_id_of(msg[0].bytes)
-            peer = self._peers.get(wid) if wid is not None else None
+            pipe = msg[0].bytes
+            owner = wire.pipe_owner(pipe)
+            peer = self._peers.get(owner[0]) if owner is not None else None
             if peer is None:
                 self.stats["bad_frames_dropped"] += 1
                 self.stats["unknown_peer_dropped"] += 1
@@ -427,9 +490,9 @@ class ZmqTransport:
                 self.stats["fenced_dropped"] += 1
                 self._hb.tell_fenced(peer.spec.id)
                 continue
-            self._deliver(peer.spec.id, msg[1:], peer)
+            self._deliver(peer.spec.id, msg[1:], peer, pipe)
 
-    def _deliver(self, src: int, frames: list, peer: Peer | None = None) -> None:
+    def _deliver(self, src: int, frames: list, peer: Peer | None = None, pipe: bytes = b"") -> None:
         if len(frames) < 1 or len(frames) > wire.MAX_FRAMES + 1:
             self.stats["bad_frames_dropped"] += 1
             return
@@ -440,6 +503,9 @@ class ZmqTransport:
             self.stats["bad_frames_dropped"] += 1
             return
         body = frames[1:]
+        if peer is not None and pipe not in peer.valid and kind not in (wire.HELLO, wire.HELLO_ACK):
+            self.stats["unvalidated_dropped"] += 1  # NOTE [Lazy connections] (3)
+            return
         if kind >= wire.FIRST_APP_KIND:
             self._loop.guard(self._on_message, "on_message", src, kind, msg_id, meta, body)
         elif kind == wire.RESPONSE:
@@ -456,9 +522,13 @@ class ZmqTransport:
                 self.stats["fenced_dropped"] += 1
                 return
             self._peer_max[src] = meta[2]
-            if kind == wire.HELLO:
-                self._try_send(peer, self._hello(wire.HELLO_ACK))
-            if not peer.joined:
+            peer.valid.add(pipe)
+            if peer.rid is None and kind == wire.HELLO:  # its pipe: ours to send on (Rule 2)
+                peer.rid = pipe
+            if kind == wire.HELLO:  # on the pipe it came on: validates that pipe at the peer
+                self._send_on(pipe, self._hello(wire.HELLO_ACK))
+            self._watch(src)
+            if not peer.joined and pipe == peer.rid:
                 peer.joined = True
                 self._flush_backlog(peer)
                 self._check_all_up()
@@ -535,9 +605,10 @@ class ZmqTransport:
             self._local[spec.id], self._names[spec.id] = local, spec.name
         return steps
 
-    def _setup(self, steps: mesh.Plan) -> None:
+    def _setup(self, steps: mesh.Plan, contact: set[int], awaited: set[int]) -> None:
         """Data loop: a peer record per peer (replacing a departed incarnation, NOTE [Mesh
-        changes] (3)), connect the data socket where we connect (its rule 1)."""
+        changes] (3)), a first contact with those of ``contact`` (NOTE [Lazy connections]);
+        the join waits for ``awaited``."""
         now = time.monotonic()
         self._policy.started_at = now
         for spec, local, data, _, _ in steps:
@@ -548,15 +619,53 @@ class ZmqTransport:
                 for p in pending:
                     self._fail(p, PeerUnavailable(old.spec.name, "it left the group (a new incarnation of its id joined)"))
                 self._disconnect(spec.id)
+                self._watched.discard(spec.id)
                 if self.table.state(spec.id) is PeerState.DEAD:  # before the heartbeat thread's own
-                    self.table.replace(spec.id)  # replace: the dead verdict must not count it as up
-            self._peers[spec.id] = Peer(spec, wire.routing_id(spec.id), local, hello_due=now)
-            if data is not None:
-                if self._auth is not None:  # NOTE [Authentication], Rule 2 (rrefrt_transport.zmq.security)
-                    security.configure_client(self._sock, self._auth, spec.id)
-                self._policy.connects[data] = (spec.id, spec.name)
-                self._sock.connect(data)
+                    # the dead verdict must not count it as up; lazy: unwatched until first contact
+                    self.table.replace(spec.id) if spec.id in awaited else self.table.drop(spec.id)
+            self._peers[spec.id] = Peer(spec, None, local, data=data, hello_due=now)
+        self._awaited |= awaited
+        for pid in sorted(contact):
+            peer = self._peers.get(pid)
+            if peer is not None:
+                self._contact(peer)
         self._check_all_up()
+
+    def _contact(self, peer: Peer) -> None:
+        """Data loop: connect our pipe to ``peer`` and HELLO it (NOTE [Lazy connections] (2));
+        nothing when a pipe to it is chosen already."""
+        if peer.rid is not None or peer.connected:
+            return
+        pid = peer.spec.id
+        if self._auth is not None:  # NOTE [Authentication], Rule 2 (rrefrt_transport.zmq.security)
+            security.configure_client(self._sock, self._auth, pid)
+        rid = wire.outgoing_id(pid)
+        self._sock.setsockopt(zmq.CONNECT_ROUTING_ID, rid)
+        self._policy.connects[peer.data] = (pid, peer.spec.name)
+        self._sock.connect(peer.data)
+        self.stats["data_connects"] += 1
+        peer.connected, peer.rid = True, rid
+        peer.hello_due = time.monotonic() + PROBE_S
+        self._try_send(peer, self._hello(wire.HELLO))
+        self._watch(pid)
+
+    def _watch(self, pid: int) -> None:
+        """Data loop: the heartbeat watches ``pid`` from now on (NOTE [Lazy connections] (4))."""
+        if pid not in self._watched and pid != self.id:
+            self._watched.add(pid)
+            self._hb.watch(pid)
+
+    def _fail_peer(self, peer: Peer, err: AuthenticationFailed) -> None:
+        """Data loop: ``peer``'s first contact failed its handshake (NOTE [Lazy connections]
+        (5)): what waits on it fails now, and what is sent to it later at once."""
+        peer.error = err
+        for frames in peer.backlog:
+            lend.drop(frames)
+        peer.backlog.clear()
+        pending, peer.pending = list(peer.pending.values()), {}
+        for p in pending:
+            self._fail(p, err)
+        self._disconnect(peer.spec.id)
 
     def _disconnect(self, peer_id: int) -> None:
         for ep, (pid, _) in list(self._policy.connects.items()):
@@ -581,8 +690,11 @@ class ZmqTransport:
                 peer = self._peers.get(pid) if pid is not None else None
                 err = self._policy.failed(endpoint, event, int(ev["value"]), not self._all_up.is_set(),
                                           peer is not None and not peer.joined, time.monotonic())
-                if err is not None:
-                    self._fail_join(err)
+                if err is not None and peer is not None:
+                    if pid in self._awaited and not self._all_up.is_set():
+                        self._fail_join(err)
+                    else:  # a first contact after the join
+                        self._fail_peer(peer, err)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._policy.succeeded(endpoint)
 
@@ -662,6 +774,10 @@ class ZmqTransport:
                 cause = self.table.cause(p.dest) or "it was declared dead" if peer else "it is not a member of this group"
                 self._fail(p, PeerUnavailable(self.peer_name(p.dest), cause))
                 return
+            if peer.error is not None:
+                lend.drop(frames)
+                self._fail(p, peer.error)
+                return
         table = self._peers[p.dest].pending if p.dest != self.id else self._self_pending
         table[p.msg_id] = p
         if p.timeout > 0:
@@ -694,21 +810,26 @@ class ZmqTransport:
             self._deliver(dest, [bytes(f) if not isinstance(f, bytes) else f for f in frames])
             return
         peer = self._peers.get(dest)
-        if peer is None or self.table.state(dest) is PeerState.DEAD:
+        if peer is None or self.table.state(dest) is PeerState.DEAD or peer.error is not None:
             self.stats["dropped_to_dead"] += 1
             lend.drop(frames)
             return
+        if peer.rid is None:  # first use (NOTE [Lazy connections] (2))
+            self._contact(peer)
         if peer.backlog or not peer.joined or not self._try_send(peer, frames):
             peer.backlog.append(frames)
 
     def _try_send(self, peer: Peer, frames: list) -> bool:
+        return peer.rid is not None and self._send_on(peer.rid, frames)
+
+    def _send_on(self, rid: bytes, frames: list) -> bool:
         parts = lend.begin(frames) if isinstance(frames, lend.Lent) else None  # NOTE [Lent frames]
         if parts == []:  # its sender gave up on it (lend Rule 3)
             return True
         small = parts is None and all((f.nbytes if isinstance(f, memoryview) else len(f)) < ZERO_COPY_MIN for f in frames)
         size = sum(nbytes(f) for f in frames)
         try:
-            self._sock.send_multipart([peer.rid, *(frames if parts is None else parts)], flags=_NOBLOCK, copy=small)
+            self._sock.send_multipart([rid, *(frames if parts is None else parts)], flags=_NOBLOCK, copy=small)
         except zmq.ZMQError as e:
             if parts is not None:
                 lend.finish(frames, parts, False)  # type: ignore[arg-type]

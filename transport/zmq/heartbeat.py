@@ -1,8 +1,11 @@
 """The heartbeat loop: liveness judged on a connection of its own, and membership spread.
 
-Owns: the heartbeat socket (a second ROUTER socket that carries only PING, DEAD_NOTICE and
-FENCED, connected to every peer's echo socket and to the heartbeat sockets of higher ids),
-its thread (an ``IOLoop``), and the ``LivenessTable`` it feeds.
+Owns: the heartbeat socket (a second ROUTER socket that carries only PING, DEAD_NOTICE,
+FENCED, SUSPECT and UNWATCHED, connected to the echo and the heartbeat socket of every peer
+it watches), its thread (an ``IOLoop``), and the ``LivenessTable`` it feeds. It knows every
+member (``know``: names, incarnations, endpoints) and watches those the data loop met
+(``watch``: NOTE [Lazy connections] in rrefrt_transport.zmq.agent), or all of them at the
+join with ``connect="eager"`` (``join``).
 
 NOTE [Liveness]: liveness must not depend on how long one data message takes to move (issue
 11 item 1), must not depend on the GIL (a handler that holds it is slow, not dead), and must
@@ -13,7 +16,8 @@ message vanished; the route returned 100 ms later, so nobody was declared dead. 
 
 Rule 1: every worker runs an echo socket (``rrefrt_transport.zmq.echo``): libzmq sends back whatever
     reaches it, on a thread that runs without the GIL. Every worker's heartbeat socket
-    connects to every peer's echo and sends it a PING every ``heartbeat_interval``; the echo
+    connects to the echo of every peer it watches and sends it a PING every
+    ``heartbeat_interval``; the echo
     coming back is the heartbeat. These connections never carry data, so a PING never waits
     behind a payload; a peer whose echo stays silent for ``heartbeat_timeout`` is suspected,
     and dead once a second witness agrees (a stopped, frozen or partitioned process; NOTE
@@ -44,7 +48,9 @@ SIGSTOPped peer of a group of three or more is dead within heartbeat_timeout + i
 a tick (the later of two witnesses), while a worker that is starved of CPU or cut off alone
 finds no second witness for its suspicions: the others still hear the peers it misses. It
 never tells a suspicion while it hears none of its peers (it suspects itself then, and
-logs so once per episode).
+logs so once per episode). A receiver that does not watch P answers UNWATCHED: once every
+peer told answered so, the suspicion needs no second witness (liveness Rule 6 (b)), so
+the bound holds for a pair of workers that only talk to each other.
 
 NOTE [Membership]: when this worker declares peer P dead on its own evidence, it sends
 DEAD_NOTICE [P, P's incarnation, cause] to every other live member, and FENCED [cause] to P
@@ -116,7 +122,7 @@ class Heartbeat:
         s = self._sock = ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTING_ID, wire.routing_id(worker_id))
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.IMMEDIATE, 1)  # for the echo routes; not for the heartbeat sockets' (``_connect``)
         s.setsockopt(zmq.AFFINITY, 2)  # libzmq I/O thread 1: never busy with data (Rule 2)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, 10000)
@@ -128,7 +134,11 @@ class Heartbeat:
         self._monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         self.loop.register(s, self._recv_all)
         self.loop.register(self._monitor, self._read_monitor)
-        self._peers: dict[int, tuple[bytes, int, str]] = {}  #: id -> (routing id, incarnation, name)
+        self._peers: dict[int, tuple[bytes, int, str]] = {}  #: id -> (our pipe's routing id, incarnation, name)
+        self._eps: dict[int, tuple[str, str]] = {}  #: id -> (its heartbeat endpoint, its echo endpoint)
+        #: Rule 8 of rrefrt_transport.liveness: a peer watched from its first contact is dead
+        #: unless heard within this many seconds
+        self.contact_timeout = 2 * table.heartbeat_timeout + interval
         self._fenced_told: dict[int, float] = {}  #: dead peer -> when we last sent it FENCED
         self._dead_since: dict[int, float] = {}  #: dead peer -> when; FENCED retried for FENCE_RETRY_S
         self._probe_until = 0.0  #: probe every route every PROBE_S until then (Rule 3)
@@ -162,29 +172,70 @@ class Heartbeat:
         self.loop.start()
         self.loop.call_soon(self._tick)
 
-    def join(self, peers: list[tuple[int, str, int, str | None, str]], timeout: float | None = None) -> None:
-        """Any thread: (id, name, incarnation, heartbeat endpoint to connect or None, echo
-        endpoint) per peer; ``timeout``: the join's, which bounds liveness Rule 7."""
+    def know(self, peers: list[tuple[int, str, int, str, str]]) -> None:
+        """Any thread: the members, (id, name, incarnation, heartbeat endpoint, echo endpoint)
+        each; none is watched yet. A new incarnation of a known id replaces it (dynamic
+        groups): unwatched until its own first contact."""
+        self.loop.call_soon(lambda: self._know(peers))
+
+    def _know(self, peers: list[tuple[int, str, int, str, str]]) -> None:
+        for pid, pname, inc, live, echo in peers:
+            old = self._peers.get(pid)
+            if old is not None and old[1] != inc:
+                self._detach(pid)
+                self.table.drop(pid)
+            self._departed.discard(pid)
+            self._peers[pid] = (wire.outgoing_id(pid), inc, pname)
+            self._eps[pid] = (live, echo)
+            self._echo_peer[echo_id(pid)] = pid
+
+    def watch(self, peer: int) -> None:
+        """Any thread: watch ``peer`` from now on (its first contact, liveness Rule 8)."""
+        self._schedule(lambda: self._watch([peer], None, False))
+
+    def join(self, peers: list[tuple[int, str, int, str, str]], timeout: float | None = None) -> None:
+        """Any thread: know and watch every peer of ``peers`` at once (``connect="eager"``, or
+        the joiner of a dynamic group); ``timeout``: the join's, which bounds liveness Rule 7."""
 
         def setup() -> None:
-            for pid, pname, inc, endpoint, echo in peers:
-                if pid in self._peers:  # a new incarnation of a departed id (dynamic groups)
-                    self._detach(pid)
-                    self.table.replace(pid, join_timeout=timeout)
-                self._departed.discard(pid)
-                self._peers[pid] = (wire.routing_id(pid), inc, pname)
-                self._echo_peer[echo_id(pid)] = pid
-                for ep in (endpoint, echo):
-                    if ep is None:
-                        continue
-                    if self._auth is not None:
-                        security.configure_client(self._sock, self._auth, pid)
-                    self._sock.connect(ep)
-                    self._connected.setdefault(pid, []).append(ep)
-            self.table.add((p[0] for p in peers), join_timeout=timeout)
-            self._probe_until = time.monotonic() + 3600.0  # until the join ends: see _tick
+            self._know(peers)
+            self._watch([p[0] for p in peers], timeout, True)
 
         self.loop.call_soon(setup)
+
+    def _watch(self, peers: list[int], timeout: float | None, join: bool) -> None:
+        fresh = [p for p in peers if p not in self._connected and p in self._eps and p != self.id
+                 and p not in self._departed]
+        for pid in fresh:
+            live, echo = self._eps[pid]
+            self._connected[pid] = [self._connect(pid, live, True), self._connect(pid, echo, False)]
+            self.stats["peers_watched"] += 1
+        if not fresh:
+            return
+        if join:
+            self.table.add(fresh, join_timeout=timeout)
+            self._probe_until = time.monotonic() + 3600.0  # until the join ends: see _tick
+        else:
+            self.table.add(fresh, mark=False, contact_timeout=self.contact_timeout)
+            self._probe_until = max(self._probe_until, time.monotonic() + self.contact_timeout)
+
+    def _connect(self, pid: int, endpoint: str, named: bool) -> str:
+        """Connect to ``endpoint`` of ``pid``: its heartbeat socket (``named``: our pipe is
+        ``outgoing_id(pid)``, and without IMMEDIATE, so that it may coexist with the pipe it
+        connects to us, NOTE [Close] (2) of rrefrt_transport.zmq.agent does not apply to
+        one-frame messages) or its echo (IMMEDIATE: route probes, Rule 3)."""
+        s = self._sock
+        if self._auth is not None:
+            security.configure_client(s, self._auth, pid)
+        if named:
+            s.setsockopt(zmq.IMMEDIATE, 0)
+            s.setsockopt(zmq.CONNECT_ROUTING_ID, wire.outgoing_id(pid))
+        try:
+            s.connect(endpoint)
+        finally:
+            if named:
+                s.setsockopt(zmq.IMMEDIATE, 1)
+        return endpoint
 
     # ------------------------------------------------------------------ any thread
     def declare(self, peer: int, cause: str) -> None:
@@ -207,6 +258,9 @@ class Heartbeat:
             self._detach(peer)
 
         self._schedule(run)
+
+    def watching(self, peer: int) -> bool:
+        return peer in self._connected
 
     def _detach(self, peer: int) -> None:
         for ep in self._connected.pop(peer, []):
@@ -320,7 +374,8 @@ class Heartbeat:
         pname = entry[2] if entry else f"<worker {v.peer}>"
         log.warning("worker %r declared worker %r dead: %s", self.name, pname, v.cause)
         self.stats["peers_declared_dead"] += 1
-        self._dead_since[v.peer] = time.monotonic()
+        if self.watching(v.peer):  # FENCED goes over our pipe to it: none to a peer never watched
+            self._dead_since[v.peer] = time.monotonic()
         if tell and entry is not None and not self.expelled:
             notice = [wire.encode_header(wire.DEAD_NOTICE, 0, [v.peer, entry[1], v.cause])]
             for other in self.table.live():
@@ -367,7 +422,8 @@ class Heartbeat:
                 else:
                     self.stats["bad_frames_dropped"] += 1
                 continue
-            wid = wire.worker_id_of(msg[0])
+            owner = wire.pipe_owner(msg[0])
+            wid = owner[0] if owner is not None else None
             entry = self._peers.get(wid) if wid is not None else None
             if entry is None or len(msg) != 2:
                 self.stats["bad_frames_dropped"] += 1
@@ -409,7 +465,8 @@ class Heartbeat:
             if target is None or target[1] != inc:
                 return
             self.stats["dead_notices_received"] += 1
-            self._verdict(self.table.declare(peer, f"worker {entry[2]!r} declared it dead: {cause}"), tell=False)
+            # a member not watched here is dead all the same (it is learnt from those who do)
+            self._verdict(self.table.declare(peer, f"worker {entry[2]!r} declared it dead: {cause}", add=True), tell=False)
         elif kind == wire.SUSPECT:  # NOTE [Witnesses]
             if not (type(meta) is list and len(meta) == 2 and type(meta[0]) is int and type(meta[1]) is int):
                 self.stats["bad_frames_dropped"] += 1
@@ -419,7 +476,18 @@ class Heartbeat:
             if peer == self.id or target is None or target[1] != inc:
                 return
             self.stats["suspicions_received"] += 1
+            if self.table.state(peer) is None:  # not watched here: never a witness (NOTE [Witnesses])
+                if self._send(src, [wire.encode_header(wire.UNWATCHED, 0, [peer, inc])]):
+                    self.stats["unwatched_sent"] += 1
+                return
             self._verdict(self.table.suspicion(peer, src), tell=True)
+        elif kind == wire.UNWATCHED:
+            if not (type(meta) is list and len(meta) == 2 and type(meta[0]) is int and type(meta[1]) is int):
+                self.stats["bad_frames_dropped"] += 1
+                return
+            target = self._peers.get(meta[0])
+            if target is not None and target[1] == meta[1]:
+                self.table.unwatched(meta[0], src)
         else:
             self.stats["bad_frames_dropped"] += 1
 

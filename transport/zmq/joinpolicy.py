@@ -7,7 +7,8 @@ monitor's handshake events and fails the join with what it returns.
 NOTE [Handshake failures]: the monitor reports failed handshakes. On a connect (whose peer
 we know) libzmq retries only one closed mid-handshake, so a protocol or authentication
 failure, or HANDSHAKE_ATTEMPTS closed handshakes in a row, fail ``connect_peers`` at once
-naming that peer. On an accepted connection the monitor names only our own endpoint, and
+naming that peer - or, on a first contact after the join (NOTE [Lazy connections] in
+rrefrt_transport.zmq.agent), what was sent to that peer. On an accepted connection the monitor names only our own endpoint, and
 anyone may connect there: so a failure while lower-ranked peers (those that connect to
 us) are still missing fails ``connect_peers`` naming them only if they are still missing
 ACCEPT_GRACE seconds later - a stray connection cannot abort a join that completes. After
@@ -56,14 +57,14 @@ class JoinPolicy:
         if peer is not None:
             pid, pname = peer
             n = self._connect_failures[pid] = self._connect_failures.get(pid, 0) + 1
-            if joining and peer_joining and (security.is_terminal(event) or n >= HANDSHAKE_ATTEMPTS):
+            if peer_joining and (security.is_terminal(event) or n >= HANDSHAKE_ATTEMPTS):
                 tries = "" if security.is_terminal(event) else f" ({n} attempts)"
                 return AuthenticationFailed(
                     f"worker {self.name!r} could not authenticate with worker {pname!r} at "
                     f"{endpoint}{tries}: {cause}",
                     [pname],
                 )
-            if not joining and n & (n - 1) == 0:  # 1, 2, 4, 8, ... in a row
+            if n & (n - 1) == 0:  # 1, 2, 4, 8, ... in a row
                 log.warning("handshake of %r with worker %r failed (%d in a row): %s", self.name, pname, n, cause)
             return None
         if joining:

@@ -5,12 +5,15 @@ mesh (``add_peers``: peers that joined later, or a new incarnation of a departed
 
 NOTE [Mesh changes]:
 
-1. Who connects: the peer with the lower id connects to the one with the higher id (data
-   and heartbeat); everyone connects to everyone's echo. So a joiner with a low id connects
-   to the members above it, and the members below it connect to the joiner when they learn
-   of the join (``add_peers``). HELLOs repeat every PROBE_S until answered, and a HELLO
-   from a peer not (yet) added is dropped, so the order in which the two sides add each
-   other does not matter.
+1. Who connects (NOTE [Lazy connections] in rrefrt_transport.zmq.agent): by default a
+   worker connects to a peer when it first sends to it (and, at the join, to a bounded
+   fan-out of peers: the next id), and watches the liveness of exactly the peers it
+   exchanged a HELLO with; ``connect="eager"`` keeps the full mesh of before: the peer with
+   the lower id connects to the one with the higher id, and everyone watches everyone.
+   Either way a pipe we connect is named ``wire.outgoing_id(peer)``, one a peer connects to
+   us ``wire.routing_id(peer)``, so both may exist. HELLOs repeat every PROBE_S until
+   answered, and a HELLO from a peer not (yet) added is dropped, so the order in which the
+   two sides add each other does not matter.
 2. A departed peer is declared dead locally without telling anyone (no DEAD_NOTICE, no
    FENCED: it is leaving, not suspected), its endpoints are disconnected so that libzmq
    stops reconnecting to them, and its late messages are dropped like a dead peer's.
@@ -28,8 +31,9 @@ from rrefrt_transport.errors import TransportError
 LIVE = "-live"  #: suffix of the heartbeat endpoints in a PeerAddress ("tcp-live", "ipc-live")
 ECHO = "-echo"  #: suffix of the echo endpoints ("tcp-echo", "ipc-echo")
 
-#: (spec, same host, data endpoint to connect or None, heartbeat endpoint or None, echo endpoint)
-Plan = list[tuple[PeerSpec, bool, "str | None", "str | None", str]]
+#: (spec, same host, data endpoint, heartbeat endpoint, echo endpoint): where to connect
+#: if this worker connects (``contacts`` says whom it does at the join)
+Plan = list[tuple[PeerSpec, bool, str, str, str]]
 
 
 def plan(
@@ -49,8 +53,18 @@ def plan(
         eps = spec.address.endpoints
         local = same_host and spec.address.host == host
         scheme = "ipc" if local and ipc and "ipc" in eps else "tcp"
-        if scheme + ECHO not in eps or (spec.id > my_id and (scheme not in eps or scheme + LIVE not in eps)):
+        if any(scheme + suffix not in eps for suffix in ("", LIVE, ECHO)):
             raise TransportError(f"worker {spec.name!r} published no {scheme} endpoints: {sorted(eps)}")
-        data, live = (eps[scheme], eps[scheme + LIVE]) if spec.id > my_id else (None, None)
-        out.append((spec, local, data, live, eps[scheme + ECHO]))
+        out.append((spec, local, eps[scheme], eps[scheme + LIVE], eps[scheme + ECHO]))
     return out
+
+
+def contacts(my_id: int, ids: Sequence[int], eager: bool, fanout: int) -> set[int]:
+    """Rule 1: whom this worker connects to at the join. Eager: every higher id. Lazy: the
+    ``fanout`` next ids after ``my_id`` in the ring of ``ids`` (a job secret that differs
+    between two workers then fails some join at once, and the ring's neighbours are met)."""
+    others = sorted(i for i in set(ids) if i != my_id)
+    if eager:
+        return {i for i in others if i > my_id}
+    ring = [i for i in others if i > my_id] + [i for i in others if i < my_id]
+    return set(ring[:max(0, fanout)])

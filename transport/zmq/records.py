@@ -29,10 +29,18 @@ class Pending:
 
 @dataclass
 class Peer:
+    """NOTE [Lazy connections] in rrefrt_transport.zmq.agent: a peer has up to two pipes, the
+    one we connect (``outgoing_id``) and the one it connects (``routing_id``); ``rid`` is the
+    one we send on, chosen once and kept (per-pair order), None until first contact."""
+
     spec: PeerSpec
-    rid: bytes
+    rid: bytes | None
     local: bool  #: same host (ipc is used when both sides listen on it)
-    joined: bool = False  #: its HELLO / HELLO_ACK arrived
+    data: str = ""  #: its data endpoint (where we connect, if we do)
+    connected: bool = False  #: we connected our pipe to it (and HELLO it until answered)
+    valid: set = field(default_factory=set)  #: pipes a HELLO / HELLO_ACK of its incarnation arrived on
+    error: BaseException | None = None  #: its first contact failed (authentication): fails what is sent to it
+    joined: bool = False  #: the pipe we send on is validated (its HELLO / HELLO_ACK arrived on it)
     pending: dict[int, Pending] = field(default_factory=dict)  #: msg_id -> request awaiting it
     backlog: collections.deque = field(default_factory=collections.deque)  #: frames not yet routable
     hello_due: float = 0.0

@@ -1,0 +1,79 @@
+"""Join scaling (issue 22): how long init_rpc takes and how many descriptors a worker holds,
+for N workers started by rrefrt-run on this node, each calling only its neighbour.
+
+    python bench/scale_join.py 8 32 64 128        # the curve (niced)
+    RREFRT_CONNECT=eager python bench/scale_join.py 64   # the full mesh, for comparison
+
+Each worker prints one line ``SCALE {json}``: its init time (from entering init_rpc to its
+return), its open descriptors after init and after its calls, and the peers its zmq
+transport has a data pipe with. The driver prints the median and maximum per N.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _connected(rt: object) -> int:
+    t = getattr(rt, "transport", None)
+    inner = getattr(t, "inner", t)
+    peers = getattr(inner, "connected_peers", None)
+    return len(peers()) if peers is not None else -1
+
+
+def worker() -> int:
+    import rrefrt as rpc
+    from rrefrt import state
+    from rrefrt.run.env import resolve_env
+
+    env = resolve_env(os.environ)
+    rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    t0 = time.monotonic()
+    rpc.init_rpc(f"worker{rank}")
+    init_s = time.monotonic() - t0
+    rt = state.current_or_none()
+    fds_init, pipes_init = _fds(), _connected(rt)
+    assert rpc.rpc_sync(f"worker{(rank + 1) % size}", max, args=(rank, 0)) == rank
+    fds_calls, pipes_calls = _fds(), _connected(rt)
+    print("SCALE " + json.dumps({"rank": rank, "init_s": round(init_s, 3), "fds_init": fds_init,
+                                 "fds_calls": fds_calls, "pipes_init": pipes_init, "pipes_calls": pipes_calls}), flush=True)
+    rpc.shutdown()
+    return 0
+
+
+def drive(sizes: list[int]) -> int:
+    for n in sizes:
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            ["nice", "-n", "10", sys.executable, "-m", "rrefrt.run", "--nproc-per-node", str(n), __file__, "--worker"],
+            capture_output=True, text=True, timeout=900,
+        )
+        wall = time.monotonic() - t0
+        rows = [json.loads(line.split("SCALE ", 1)[1]) for line in proc.stdout.splitlines() if "SCALE " in line]
+        if not rows:
+            print(f"N={n}: exit {proc.returncode}, no worker reported\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            continue
+
+        def stat(key: str) -> str:
+            vals = [r[key] for r in rows]
+            return f"{statistics.median(vals):g} / {max(vals):g}"
+
+        print(f"N={n}: exit {proc.returncode}, {len(rows)}/{n} reported, job {wall:.1f}s; median / max: "
+              f"init {stat('init_s')} s, fds after init {stat('fds_init')}, after calls {stat('fds_calls')}, "
+              f"data pipes after init {stat('pipes_init')}, after calls {stat('pipes_calls')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        sys.exit(worker())
+    sys.exit(drive([int(a) for a in sys.argv[1:]] or [8, 32, 64, 128]))
