@@ -55,6 +55,7 @@ id that is not a member of the group, or exceeds the size limit.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -87,18 +88,25 @@ def worker_id_of(rid: bytes) -> int | None:
 
 
 def outgoing_id(worker_id: int) -> bytes:
-    """Our name for the pipe we connect to ``worker_id`` (ZMQ_CONNECT_ROUTING_ID): distinct
+    """A new name for a pipe we connect to ``worker_id`` (ZMQ_CONNECT_ROUTING_ID): distinct
     from ``routing_id(worker_id)``, the name of the pipe that worker connects to us, so that
-    both may exist at once on one ROUTER (NOTE [Lazy connections] in rrefrt_transport.zmq.agent)."""
-    return b"w%d>" % worker_id
+    both may exist at once on one ROUTER (NOTE [Lazy connections] in rrefrt_transport.zmq.agent),
+    and distinct from every earlier one: libzmq aborts a connect whose routing id names a pipe
+    still attached (``!has_out_pipe`` in router.cpp), and a disconnected pipe goes away only
+    later (a new incarnation of a peer, contacted right after the old one's pipe was dropped)."""
+    return b"w%d>%d" % (worker_id, next(_pipe_seq))
+
+
+_pipe_seq = itertools.count(1)
 
 
 def pipe_owner(rid: bytes) -> tuple[int, bool] | None:
-    """(worker id, outgoing) for ``routing_id(w)`` (its pipe to us: outgoing False) or
+    """(worker id, outgoing) for ``routing_id(w)`` (its pipe to us: outgoing False) or an
     ``outgoing_id(w)`` (our pipe to it: True); None for anything else."""
-    if rid[-1:] == b">":
-        wid = worker_id_of(rid[:-1])
-        return None if wid is None else (wid, True)
+    head, sep, seq = rid.partition(b">")
+    if sep:
+        wid = worker_id_of(head)
+        return None if wid is None or not seq.isdigit() else (wid, True)
     wid = worker_id_of(rid)
     return None if wid is None else (wid, False)
 

@@ -185,7 +185,9 @@ class Heartbeat:
                 self._detach(pid)
                 self.table.drop(pid)
             self._departed.discard(pid)
-            self._peers[pid] = (wire.outgoing_id(pid), inc, pname)
+            # the same incarnation keeps its pipe's name (a connected pipe is addressed by it)
+            rid = old[0] if old is not None and old[1] == inc else wire.outgoing_id(pid)
+            self._peers[pid] = (rid, inc, pname)
             self._eps[pid] = (live, echo)
             self._echo_peer[echo_id(pid)] = pid
 
@@ -229,7 +231,7 @@ class Heartbeat:
             security.configure_client(s, self._auth, pid)
         if named:
             s.setsockopt(zmq.IMMEDIATE, 0)
-            s.setsockopt(zmq.CONNECT_ROUTING_ID, wire.outgoing_id(pid))
+            s.setsockopt(zmq.CONNECT_ROUTING_ID, self._peers[pid][0])
         try:
             s.connect(endpoint)
         finally:
@@ -263,6 +265,9 @@ class Heartbeat:
         return peer in self._connected
 
     def _detach(self, peer: int) -> None:
+        entry = self._peers.get(peer)
+        if entry is not None:  # a later connect names its pipe afresh (wire.outgoing_id)
+            self._peers[peer] = (wire.outgoing_id(peer), *entry[1:])
         for ep in self._connected.pop(peer, []):
             try:
                 self._sock.disconnect(ep)
