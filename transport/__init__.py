@@ -32,7 +32,7 @@ from rrefrt_transport.zmq.security import CurveAuth
 from rrefrt_transport.wire import FIRST_APP_KIND
 from rrefrt_transport.zmq.agent import ZmqTransport
 from rrefrt_transport import auto, inproc  # noqa: E402,F401  (register "auto", "inproc")
-from rrefrt_transport.unix import transport as unix  # noqa: E402,F401  (registers "unix")
+import rrefrt_transport.unix.transport  # noqa: E402,F401  (registers "unix")
 
 __all__ = [
     "ZmqTransport",

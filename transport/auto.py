@@ -32,6 +32,10 @@ Rules:
    (found 2026-11-30: calls between some pairs timed out right after init). A request that
    arrived over unix reaches the runtime with ``LOCAL_TAG`` set in its msg_id (the runtime
    treats msg ids as opaque), and ``respond`` routes by that bit.
+7. With lazy connections the same-host plane connects on first use (NOTE [Lazy same-host
+   connections] in rrefrt_transport.unix.transport); the higher id of a pair asks the lower
+   one to connect with an UNIX_CONNECT message over the inner transport, which this
+   transport takes before the runtime sees it.
 4. If the unix join fails for a reason other than authentication (the socket path is not
    reachable from the peer, e.g. another mount namespace), the whole group falls back to the
    inner transport for this worker after logging why; an authentication failure fails the
@@ -52,6 +56,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from rrefrt_transport import wire
 from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, Transport, TransportConfig, create, register
 from rrefrt_transport.errors import AuthenticationFailed, TransportError
 from rrefrt_transport.unix.transport import UnixTransport
@@ -89,7 +94,8 @@ class AutoTransport:
         inner_kind = str(config.extra.get("auto_inner", "zmq"))
         if inner_kind == "auto":
             raise ValueError("the inner transport of 'auto' cannot be 'auto'")
-        self.inner: Transport = create(dataclasses.replace(config, kind=inner_kind), on_message, self._died)
+        self._on_message = on_message
+        self.inner: Transport = create(dataclasses.replace(config, kind=inner_kind), self._inner_message, self._died)
         self.local: UnixTransport | None = (
             UnixTransport(config, _tagging(on_message), self._died) if same_host_enabled(config) else None
         )
@@ -97,6 +103,7 @@ class AutoTransport:
             self.local.judge_silence = False
             self.local.on_closed = self._path_closed
             self.local.on_verdict = self._spread
+            self.local.on_connect_wanted = self._ask_connect
         self._local_ids: frozenset[int] = frozenset()
         #: peers whose same-host connection was closed after a protocol error (Rule 6): never
         #: routed locally again, also when that happened before the join returned
@@ -157,6 +164,20 @@ class AutoTransport:
         if self.local is not None and peer_id in self._local_ids:
             self.local.remove_peer(peer_id, cause)
         self.inner.remove_peer(peer_id, cause)
+
+    # ------------------------------------------------------------------ lazy same-host connections
+    def _ask_connect(self, peer_id: int) -> None:
+        """The unix path has a message for the lower ``peer_id`` and no connection: ask it,
+        over the inner transport, to connect (NOTE [Lazy same-host connections])."""
+        self.inner.send(peer_id, wire.UNIX_CONNECT, None)
+
+    def _inner_message(self, src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
+        if kind == wire.UNIX_CONNECT:
+            local = self.local
+            if local is not None:
+                local.connect_wanted(src)
+            return
+        self._on_message(src, kind, msg_id, meta, frames)
 
     # ------------------------------------------------------------------ routing
     def _via(self, dest: int) -> Transport:

@@ -64,6 +64,11 @@ import msgpack
 WIRE_VERSION = 1
 HELLO, HELLO_ACK, PING, RESPONSE, DEAD_NOTICE, FENCED, SUSPECT, UNWATCHED = 1, 2, 3, 4, 5, 6, 7, 8
 FIRST_APP_KIND = 16
+#: the last kind of the application range, reserved for the composite transport: the inner
+#: transport carries it like any application message and the composite takes it before the
+#: runtime sees it (UNIX_CONNECT: [] "connect to me over the same-host path", NOTE [Lazy
+#: same-host connections] in rrefrt_transport.unix.transport)
+UNIX_CONNECT = 255
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096
 

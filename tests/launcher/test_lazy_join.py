@@ -38,19 +38,21 @@ def neighbours(r: dict) -> set[int]:
 def test_workers_that_call_their_neighbour_connect_to_their_neighbours_only(same_host: str) -> None:
     """16 workers, each calling rank + 1: after init a worker has a data pipe with at most
     its two ring neighbours (the join's fan-out of one), and after its calls still; its
-    liveness watches those only. Without the same-host path (zmq only) its descriptors do
-    not grow with the group: at most those of its two neighbours' connections over a
-    2-worker job's."""
+    liveness watches those only, and its same-host connections too (none after init). Its
+    descriptors do not grow with the group: at most those of its two neighbours'
+    connections over a 2-worker job's."""
     rows, took = run_job(16, {"RREFRT_SAME_HOST": same_host}, 150)
     for r in rows:
         for when in ("init", "calls"):
             assert set(r[when]["pipes"]) <= neighbours(r), r
+            assert set(r[when]["unix"]) <= neighbours(r), r  # NOTE [Lazy same-host connections]
             assert r[when]["watched"] <= 2, r
-    if same_host == "0":
-        small, _ = run_job(2, {"RREFRT_SAME_HOST": "0"}, 60)
-        base = max(r["calls"]["fds"] for r in small)
-        # per peer talked to: data, heartbeat and echo connections each way (<= 8 descriptors)
-        assert max(r["calls"]["fds"] for r in rows) <= base + 16, (base, [r["calls"]["fds"] for r in rows])
+        assert r["init"]["unix"] == [], r  # init_rpc made no same-host connection
+    small, _ = run_job(2, {"RREFRT_SAME_HOST": same_host}, 60)
+    base = max(r["calls"]["fds"] for r in small)
+    # per peer talked to: data, heartbeat and echo connections each way (<= 8 descriptors),
+    # and a same-host connection
+    assert max(r["calls"]["fds"] for r in rows) <= base + 18, (base, [r["calls"]["fds"] for r in rows])
     print(f"\n16 workers ({'auto' if same_host == '1' else 'zmq only'}): job {took:.1f}s, init median "
           f"{sorted(r['init_s'] for r in rows)[8]:.2f}s, fds after calls {sorted(r['calls']['fds'] for r in rows)}")
 

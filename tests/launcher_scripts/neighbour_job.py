@@ -15,8 +15,10 @@ from rrefrt.run.env import resolve_env
 def counts() -> dict:
     t = state.current_or_none().transport
     inner = getattr(t, "inner", t)
+    local = getattr(t, "local", None)
     return {"fds": len(os.listdir("/proc/self/fd")), "pipes": sorted(inner.connected_peers()),
-            "watched": int(inner.stats["peers_watched"])}
+            "watched": int(inner.stats["peers_watched"]),
+            "unix": sorted(local.connected_peers()) if local is not None else []}
 
 
 def main() -> int:

@@ -388,3 +388,30 @@ def confirmed_then_value(rref: rrefrt.RRef) -> tuple:
     except rrefrt.RpcError as e:
         value = type(e).__name__
     return confirmed, value, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------------------- lazy same-host connections
+_arrivals: list[int] = []
+
+
+def same_host_connections() -> list[int]:
+    """The peers this worker has a same-host (unix) connection with now."""
+    local = rrefrt.state.current().transport.local
+    return sorted(local.connected_peers()) if local is not None else []
+
+
+def arrive(i: int) -> int:
+    _arrivals.append(i)
+    return i
+
+
+def arrivals() -> list[int]:
+    return list(_arrivals)
+
+
+def burst_then_report(dest: str, n: int) -> dict:
+    """``n`` one-way-ish calls to ``dest`` issued at once (the first finds no connection:
+    all wait in its channel's queue), then what ``dest`` saw, in order."""
+    futs = [rrefrt.rpc_async(dest, arrive, args=(i,)) for i in range(n)]
+    got = [f.wait() for f in futs]
+    return {"results": got, "seen": rrefrt.rpc_sync(dest, arrivals), "mine": same_host_connections()}

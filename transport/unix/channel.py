@@ -113,6 +113,9 @@ class Channel:
         self._stats = stats
         self.queue_bytes = queue_bytes
         self.state = JOINING  #: JOINING -> UP -> DEAD (final)
+        #: its connection was asked for (NOTE [Lazy same-host connections]); under the
+        #: transport's join lock
+        self.connecting = False
         self.sock: socket.socket | None = None
         self.reader: unix_wire.Reader | None = None
         self.pending: dict[int, Pending] = {}  #: msg_id -> request to this peer

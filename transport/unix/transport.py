@@ -44,7 +44,22 @@ Rules:
    is whichever thread leads the loop now.
 3. Nothing from a connection is decoded before it is admitted (NOTE [Same-host admission]
    in docs/same-host.md): SO_PEERCRED uid = ours, then the HMAC challenge-response of
-   ``wire``. Until ``connect_peers`` gives the group, accepted connections wait.
+   ``wire``. Until ``connect_peers`` gives the group, accepted connections wait. Only the
+   lower id of a pair connects, once (so a pair never has two connections).
+
+NOTE [Lazy same-host connections]: with ``TransportConfig.connect="lazy"`` (what init_rpc
+uses) and a composite transport to ask through (``on_connect_wanted``), ``connect_peers``
+only records the group: no connection is made at the join, and the socket file stays until
+close. The first message to a peer is queued on its channel (the channel's bound holds) and
+starts the connection: the lower id connects (on a short-lived connector thread, never the
+caller's), and the higher id asks the lower one to, through the composite's inner
+transport (``connect_wanted`` on the other side). The channel writes its queue once
+admitted, in order. A connection not made within ``CONNECT_TIMEOUT`` (its path unreachable,
+a failed challenge) closes the channel as after a protocol error: what waits on it fails
+with PeerUnavailable naming the cause, and the composite routes the peer through its inner
+transport from then on (``on_closed``). So a worker's same-host connections grow with the
+peers it talks to. Standalone (no composite), or with ``connect="eager"``, the whole
+same-host mesh is joined in ``connect_peers`` and the socket file removed after it.
 4. NOTE [Unix liveness]: EOF or a reset on a peer's socket means its process is gone: it is
    declared dead at once. A stopped or hung process keeps its socket open, so every
    ``heartbeat_interval`` the receiver thread PINGs each peer, and a peer from which no
@@ -96,7 +111,7 @@ from rrefrt_transport.errors import (
 from rrefrt_transport.liveness import LivenessTable
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
-from rrefrt_transport.unix.admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
+from rrefrt_transport.unix.admit import ACCEPT_GRACE, ADMIT_TIMEOUT, Acceptor, connect_and_admit, host_key
 from rrefrt_transport.unix.channel import DEAD, JOINING, QUEUE_BYTES, UP, Channel
 from rrefrt_transport.unix.lead import Leadership, inline_enabled
 from rrefrt_transport.unix.poller import READ, Bell
@@ -116,6 +131,9 @@ def _after_fork() -> None:
 
 os.register_at_fork(after_in_child=_after_fork)
 
+#: NOTE [Lazy same-host connections]: a connection asked for and not made by then is given up
+CONNECT_TIMEOUT = ADMIT_TIMEOUT
+
 
 class UnixTransport:
     """The ``Transport`` of transport/base.py over AF_UNIX streams (module docstring)."""
@@ -134,6 +152,13 @@ class UnixTransport:
         #: (EOF, a failed connection, silence; not a BYE, not another's verdict): the
         #: composite transport spreads it through its inner one (transport/auto.py, Rule 3)
         self.on_verdict: Callable[[int, str], None] | None = None
+        #: on_connect_wanted(peer id): ask that (lower) peer to connect to us, through the
+        #: composite's inner transport (NOTE [Lazy same-host connections]); None: join eagerly
+        self.on_connect_wanted: Callable[[int], None] | None = None
+        #: connect_peers made no connection: channels connect on first use
+        self._lazy = False
+        #: peers that asked us to connect before connect_peers recorded the group
+        self._wanted: set[int] = set()
         ex = config.extra
         self.shm_threshold: int = int(ex.get("shm_threshold", 256 << 10))  # 0 disables shared memory
         #: NOTE [Send queue bound] in channel.py: bytes queued per peer before senders wait
@@ -221,9 +246,22 @@ class UnixTransport:
         self._lead.main(self._rx.serve)  # runs the loop here, and on the standby when it takes over
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
-        """Join: connect to (and be admitted by) every peer with a higher id, wait to admit
-        every one with a lower id. Raise AuthenticationFailed / TransportError naming peers.
-        Joined or not, the socket file is removed on return: it serves the join only."""
+        """Join. Lazily (NOTE [Lazy same-host connections]): record the group, connect
+        nothing. Eagerly: connect to (and be admitted by) every peer with a higher id, wait
+        to admit every one with a lower id; raise AuthenticationFailed / TransportError naming
+        peers; joined or not, the socket file is removed on return (it served the join)."""
+        if self.config.connect == "lazy" and self.on_connect_wanted is not None:
+            table = {p.id: Channel(p, self, self.queue_bytes, self._stats) for p in peers if p.id != self.id}
+            self._peers.update(table)
+            self._liveness.add(table)
+            assert self._acceptor is not None, "listen() first"
+            self._rx.call_soon(lambda: self._set_group({i: p.spec for i, p in table.items()}))
+            with self._joined:
+                self._lazy = True
+                wanted, self._wanted = self._wanted, set()
+            for peer_id in wanted:
+                self.connect_wanted(peer_id)
+            return
         try:
             self._join(peers, timeout)
         finally:
@@ -314,8 +352,77 @@ class UnixTransport:
         self._min_limit = min(self._min_limit, ch.limit)
         self._liveness.heard(peer_id)
         self._rx.watch(ch)
+        if not ch.idle():  # queued while it connected (NOTE [Lazy same-host connections])
+            ch.try_flush()
         with self._joined:
             self._joined.notify_all()
+
+    # ------------------------------------------------------------------ lazy connections
+    def connected_peers(self) -> set[int]:
+        """Peers with a same-host connection now (NOTE [Lazy same-host connections])."""
+        return {i for i, ch in list(self._peers.items()) if ch.state is UP}
+
+    def connect_wanted(self, peer_id: int) -> None:
+        """Any thread: the (higher) peer ``peer_id`` asked us to connect to it (it has
+        something to send)."""
+        with self._joined:
+            if not self._lazy:  # the group is not recorded yet
+                self._wanted.add(peer_id)
+                return
+        ch = self._peers.get(peer_id)
+        if ch is not None and ch.state is JOINING and peer_id > self.id:
+            self._ensure_connection(ch)
+
+    def _ensure_connection(self, ch: Channel) -> None:
+        """Any thread: start ``ch``'s connection unless it is under way: the lower id
+        connects on a connector thread, the higher one asks the lower one to."""
+        with self._joined:
+            if ch.connecting or self.closing:
+                return
+            ch.connecting = True
+        self._stats["connections_started"] += 1
+        self._timers.push(time.monotonic() + CONNECT_TIMEOUT, lambda: self._connect_overdue(ch))
+        if self.id < ch.id:
+            threading.Thread(target=self._connect, args=(ch,), name=f"rrefrt-unix-connect-{self.name}",
+                             daemon=True).start()
+            return
+        ask = self.on_connect_wanted
+        if ask is not None:
+            try:
+                ask(ch.id)
+            except Exception as e:  # the inner transport refused (closed, the peer dead): the deadline judges
+                log.info("worker %r could not ask %r to connect: %s", self.name, ch.spec.name, e)
+
+    def _connect(self, ch: Channel) -> None:
+        """Connector thread: connect to ``ch``'s peer and pass its admission."""
+        try:
+            sock, limit = connect_and_admit(ch.spec, self.id, self.incarnation, self._own_limit(), self.config.secret,
+                                            CONNECT_TIMEOUT)
+        except TransportError as e:  # AuthenticationFailed included
+            cause = str(e)
+            self._rx.call_soon(lambda: self._not_connected(ch, cause))
+            return
+        self._rx.call_soon(lambda: self._admitted(ch.id, sock, limit))
+
+    def _connect_overdue(self, ch: Channel) -> None:
+        """Loop thread: the connection asked for ``CONNECT_TIMEOUT`` ago is not there."""
+        if ch.state is JOINING:
+            self._not_connected(ch, f"no same-host connection within {CONNECT_TIMEOUT:.0f}s")
+
+    def _not_connected(self, ch: Channel, cause: str) -> None:
+        """Loop thread: ``ch``'s connection could not be made: closed as after a protocol
+        error (NOTE [Protocol errors]): what waits on it fails, the composite routes the
+        peer through its inner transport."""
+        if ch.state is not JOINING:
+            return
+        self._stats["connections_failed"] += 1
+        ch.state, ch.closed = DEAD, cause
+        log.warning("worker %r could not connect to worker %r over its same-host socket: %s; the peer is not "
+                    "judged dead", self.name, ch.spec.name, cause)
+        self._teardown(ch, PeerUnavailable(ch.spec.name, f"its same-host connection could not be made: {cause}"))
+        on_closed = self.on_closed
+        if on_closed is not None:
+            guard(lambda: on_closed(ch.id, cause))
 
     # ------------------------------------------------------------------ API (any thread)
     def request(
@@ -332,12 +439,14 @@ class UnixTransport:
             self._local(kind, msg_id, meta, frames)
             return msg_id
         ch = self._peers.get(dest)
-        if ch is None or ch.state is not UP:
+        if ch is None or ch.state is not UP and not (ch.state is JOINING and self._lazy):
             cause = (ch.closed and f"its same-host connection was closed: {ch.closed}" or "it was declared dead") \
                 if ch else "it is not a member of this group (or not on this host)"
             err = PeerUnavailable(self.peer_name(dest), cause)
             self._rx.call_soon(lambda: on_done(None, (), err))
             return msg_id
+        if ch.state is JOINING:
+            self._ensure_connection(ch)
         ch.pending[msg_id] = p
         if ch.state is DEAD and ch.pending.pop(msg_id, None) is p:  # it died meanwhile
             err = PeerUnavailable(self.peer_name(dest), "it was declared dead")
@@ -356,9 +465,11 @@ class UnixTransport:
             self._local(kind, msg_id, meta, frames)
             return
         ch = self._peers.get(dest)
-        if ch is None or ch.state is not UP:
+        if ch is None or ch.state is not UP and not (ch.state is JOINING and self._lazy):
             self._stats["dropped_to_dead"] += 1
             return
+        if ch.state is JOINING:
+            self._ensure_connection(ch)
         self._send_app(ch, kind, msg_id, meta, frames, label, None)
 
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any] = (), label: str = "") -> None:
@@ -556,7 +667,7 @@ class UnixTransport:
         joining = ch.state is JOINING
         ch.state = DEAD
         self._liveness.declare(ch.id, cause)
-        if joining:
+        if joining and not self._lazy:  # it never joined: nothing of it here
             return
         level = logging.INFO if ch.bye else logging.WARNING  # an orderly close is no alarm
         log.log(level, "worker %r declared dead by %r: %s", ch.spec.name, self.name, cause)

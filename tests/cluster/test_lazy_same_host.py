@@ -1,0 +1,33 @@
+"""NOTE [Lazy same-host connections] (transport/unix/transport.py): with init_rpc's defaults
+the same-host plane makes no connection at the join; a pair connects when one of them first
+sends to the other (the lower id connects; the higher one asks it to through the inner
+transport), messages sent meanwhile wait in order, and a worker never called holds none."""
+
+from __future__ import annotations
+
+import pytest
+
+import rrefrt
+from tests.support import workerfns as fns
+
+
+@pytest.mark.timeout(120)
+def test_same_host_connections_are_made_on_first_use_and_keep_order(group):
+    group(4)
+    t = rrefrt.state.current().transport
+    assert t.local is not None and all(t.uses_same_host_path(i) for i in (1, 2, 3)), "the test is about the unix path"
+    assert t.local.connected_peers() == set(), "init_rpc made same-host connections"
+    # w0 -> w3: the lower id connects
+    assert rrefrt.rpc_sync("w3", fns.same_host_connections) == [0]
+    assert t.local.connected_peers() == {3}
+    # w3 -> w1: the higher id asks w1 (through zmq) to connect; 200 calls issued at once wait
+    # in w3's channel to w1 meanwhile and arrive in order
+    got = rrefrt.rpc_sync("w3", fns.burst_then_report, args=("w1", 200))
+    assert got["results"] == list(range(200)) and got["seen"] == list(range(200)), got
+    assert got["mine"] == [0, 1], got
+    assert rrefrt.rpc_sync("w3", rrefrt.rpc_sync, args=("w1", fns.same_host_connections)) == [3]
+    # w2 was never called: it has no same-host connection (and the first call makes one)
+    assert rrefrt.rpc_sync("w3", rrefrt.rpc_sync, args=("w2", fns.same_host_connections)) == [3]
+    stats = rrefrt.get_debug_info()
+    print(f"\nlazy same-host connections: w0 connected to {sorted(t.local.connected_peers())}; "
+          f"transport counters {({k: v for k, v in stats.items() if 'connections_' in k})}")
