@@ -233,7 +233,11 @@ class UnixTransport:
         s.setblocking(False)
         self._listener = s
         self._acceptor = Acceptor(self.id, self.incarnation, self._own_limit(), self.config.secret, self._stats)
-        return PeerAddress(host=host_key(), endpoints={"unix": path, "unix-host": host_key()})
+        # "unix-limit": our max_message_size, so that a sender checks a message against it
+        # before the pair's first connection (NOTE [Lazy same-host connections]); admission
+        # tells it again
+        return PeerAddress(host=host_key(), endpoints={"unix": path, "unix-host": host_key(),
+                                                       "unix-limit": str(self._own_limit())})
 
     def start(self) -> None:
         if self._listener is not None:
@@ -251,7 +255,7 @@ class UnixTransport:
         to admit every one with a lower id; raise AuthenticationFailed / TransportError naming
         peers; joined or not, the socket file is removed on return (it served the join)."""
         if self.config.connect == "lazy" and self.on_connect_wanted is not None:
-            table = {p.id: Channel(p, self, self.queue_bytes, self._stats) for p in peers if p.id != self.id}
+            table = {p.id: self._channel(p) for p in peers if p.id != self.id}
             self._peers.update(table)
             self._liveness.add(table)
             assert self._acceptor is not None, "listen() first"
@@ -269,7 +273,7 @@ class UnixTransport:
 
     def _join(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        table = {p.id: Channel(p, self, self.queue_bytes, self._stats) for p in peers if p.id != self.id}
+        table = {p.id: self._channel(p) for p in peers if p.id != self.id}
         self._peers.update(table)
         self._liveness.add(table)
         assert self._acceptor is not None, "listen() first"
@@ -302,6 +306,18 @@ class UnixTransport:
                 self._joined.wait(min(left, 0.1))
         if self._join_error is not None:
             raise self._join_error
+
+    def _channel(self, spec: PeerSpec) -> Channel:
+        """A channel to ``spec``, its size limit the one it published (admission confirms it)."""
+        ch = Channel(spec, self, self.queue_bytes, self._stats)
+        try:
+            published = int(spec.address.endpoints.get("unix-limit", "0"))
+        except ValueError:
+            published = 0
+        if published > 0:
+            ch.limit = min(self.config.max_message_size, published)
+            self._min_limit = min(self._min_limit, ch.limit)
+        return ch
 
     def _unlink(self) -> None:
         """Remove the socket file and its directory (after the join, and at close), so that
