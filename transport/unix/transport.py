@@ -41,7 +41,9 @@ Rules:
    runs the timer heap (deadlines, ``call_later``, delayed fault-hook messages, heartbeats).
    The runtime may ask it to run a call itself (``run_inline``): then the receiver role can
    move to a standby thread (NOTE [Inline calls] in ``lead``); "the receiver thread"
-   is whichever thread leads the loop now.
+   is whichever thread leads the loop now. A caller waiting for its answer may read its
+   peer's socket itself meanwhile (``read_until``, NOTE [Own reads] in ``receiver``): one
+   reader per socket at a time, and what is not an answer goes to the loop.
 3. Nothing from a connection is decoded before it is admitted (NOTE [Same-host admission]
    in docs/same-host.md): SO_PEERCRED uid = ours, then the HMAC challenge-response of
    ``wire``. Until ``connect_peers`` gives the group, accepted connections wait.
@@ -375,6 +377,16 @@ class UnixTransport:
     def hand_off(self) -> None:
         """An inline call is about to block: the standby takes the loop over now."""
         self._lead.hand_off()
+
+    def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
+        """A caller's thread that waits for an answer from ``dest`` reads it itself (NOTE
+        [Own reads] in rrefrt_transport.unix.receiver), until ``done()`` or a bounded time;
+        returns at once where it cannot (the loop reads that peer now, or this is the loop's
+        thread)."""
+        ch = self._peers.get(dest)
+        if ch is None or ch.state is not UP or self.closing or threading.get_ident() == self._lead.leader:
+            return
+        self._rx.read_until(ch, done, timeout)
 
     def is_alive(self, peer_id: int) -> bool:
         if peer_id == self.id:
