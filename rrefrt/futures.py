@@ -310,6 +310,13 @@ class Future(concurrent.futures.Future, Generic[T]):
     # holding this future into the stored error's traceback - a cycle that keeps RRefs alive)
     def result(self, timeout: float | None = None) -> T:
         try:
+            if self._reader is not None and self._state is not _FINISHED:
+                pool = current_pool()  # NOTE [Own reads]: read the answer here first
+                if pool is not None:
+                    with pool.blocking():
+                        timeout = self._read_own(timeout)
+                else:
+                    timeout = self._read_own(timeout)
             if self._state is _FINISHED:  # fast path: no lock (NOTE [Lazy condition])
                 r = self._result  # read before _exception: _decode writes them the other way round
                 if type(r) is _Lazy:
@@ -325,12 +332,8 @@ class Future(concurrent.futures.Future, Generic[T]):
                 pool = current_pool()
                 if pool is not None:
                     with pool.blocking():
-                        if self._reader is not None:
-                            timeout = self._read_own(timeout)
                         r = super().result(timeout)
                 else:
-                    if self._reader is not None:
-                        timeout = self._read_own(timeout)
                     r = super().result(timeout)
             else:
                 r = super().result(timeout)
