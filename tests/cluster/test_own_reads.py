@@ -22,7 +22,7 @@ WITHIN = 10.0
 
 
 def _own_reads() -> int:
-    return int(rrefrt.state.current().transport.stats.get("own_reads", 0))
+    return int(rrefrt.get_debug_info()["agent.own_reads"])
 
 
 def _square(x: int) -> int:
