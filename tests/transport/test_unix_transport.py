@@ -786,3 +786,15 @@ def test_a_message_for_the_loop_is_handed_on_while_a_caller_reads_and_every_wait
         th.join(5)
         assert time.monotonic() - t0 < 4.0
         assert g.call(1, ECHO, "after", [b"y"])[2] is None
+
+
+def test_a_request_that_lent_a_segment_leaves_its_answer_to_the_loop() -> None:
+    """NOTE [Own reads] (6): after a request whose frame went through shared memory the
+    caller does not read (the peer's release follows the answer); the next small one does."""
+    with group(1, shm_threshold=256 << 10) as g:
+        big = pattern(1 << 20)
+        m, f, e, where = _request_and_read(g, 1, ECHO, "big", [big], 20.0)
+        assert e is None and f == [big] and g.t.stats["own_reads"] == 0
+        assert where.startswith("rrefrt-unix-"), where  # answered on the loop's thread
+        m, f, e, _ = _request_and_read(g, 1, ECHO, "small", [b"s"], 20.0)
+        assert e is None and f == [b"s"] and g.t.stats["own_reads"] == 1

@@ -172,6 +172,8 @@ class UnixTransport:
         self._joined = threading.Condition(threading.Lock())
         self._join_error: TransportError | None = None
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-unix-{self.name}", daemon=True)
+        #: per thread: the peer its last message lent a segment to (NOTE [Own reads] (6))
+        self._lent = threading.local()
 
     @property
     def stats(self) -> collections.Counter:
@@ -383,6 +385,10 @@ class UnixTransport:
         [Own reads] in rrefrt_transport.unix.receiver), until ``done()`` or a bounded time;
         returns at once where it cannot (the loop reads that peer now, or this is the loop's
         thread)."""
+        if self._lent.__dict__.pop("to", None) == dest:
+            # NOTE [Own reads] (6): this thread's request lent the peer a segment: its release
+            # follows the answer, and the loop would wake for it while this thread runs on
+            return
         ch = self._peers.get(dest)
         if ch is None or ch.state is not UP or self.closing or threading.get_ident() == self._lead.leader:
             return
@@ -509,6 +515,7 @@ class UnixTransport:
         attach = ch.id not in seg.known_by
         seg.known_by.add(ch.id)
         self._stats["shm_frames_sent"] += len(big)
+        self._lent.to = ch.id  # NOTE [Own reads] (6)
         bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags))
         if not ch.write(bufs, (seg.fd,) if attach else (), deadline):
             self._pool.peer_gone(ch.id)
