@@ -145,6 +145,10 @@ class Channel:
         #: this channel now; taken and given back under ``_read_mu``
         self.reading = False
         self._read_mu = threading.Lock()
+        #: NOTE [Own reads] (7): spins in a row that ended without an answer, and how many
+        #: waits skip the spin now (the read token's holder alone updates them)
+        self.spin_misses = 0
+        self.spin_skip = 0
 
     def claim_read(self, if_busy: Callable[[], None] | None = None) -> bool:
         """Take the read token; False: another thread reads this channel now (then

@@ -69,6 +69,12 @@ _READS_PER_WAKE = 64
 OWN_READ_SLICE = 0.02
 #: ... and reads for this long at most before it waits for its future as before
 OWN_READ_LIMIT = 1.0
+#: NOTE [Own reads] (7): the default spin before a caller's first sleep, seconds
+OWN_READ_SPIN = 100e-6
+#: ... this many spins in a row that end without an answer on a channel ...
+SPIN_MISSES = 4
+#: ... stop the spinning for this many waits on that channel
+SPIN_PAUSE = 64
 #: NOTE [Own reads] (3): kinds the caller's thread handles itself
 _OWN_KINDS = frozenset({wire.RESPONSE, wire.PING, unix_wire.SHM_RELEASE, unix_wire.SHM_FORGET, unix_wire.BYE})
 LISTEN = ("listen",)  #: the poller's data of the listening socket
@@ -132,6 +138,8 @@ class Receiver:
         self._releases: collections.deque = collections.deque()  #: (peer id, segment id) from finalizers
         self._watch_needed = False
         self.n_received = 0
+        #: NOTE [Own reads] (7): seconds a caller polls before its first sleep (0: never)
+        self.spin = OWN_READ_SPIN
 
     # ------------------------------------------------------------------ any thread
     def call_soon(self, fn: Any) -> None:
@@ -318,11 +326,20 @@ class Receiver:
         poll.register(sock.fileno(), select.POLLIN)
         host = self._host
         self._stats["own_reads"] += 1
+        spin = self.spin
+        if spin and ch.spin_skip:
+            ch.spin_skip -= 1
+            spin = 0.0
         while not done() and ch.state is UP and not host.closing:
             left = end - _now()
             if left <= 0:
                 return False
-            if not poll.poll(max(1, int(min(left, OWN_READ_SLICE) * 1000))):
+            if spin:  # (7): one spin per wait, before its first sleep
+                caught = self._spin(ch, poll, spin)
+                spin = 0.0
+                if not caught:
+                    continue
+            elif not poll.poll(max(1, int(min(left, OWN_READ_SLICE) * 1000))):
                 continue
             msgs: list[unix_wire.Incoming] = []
             try:
@@ -346,6 +363,25 @@ class Receiver:
                     return True
                 if ch.state is UP:
                     self.dispatch(ch, *got)
+        return False
+
+    def _spin(self, ch: Channel, poll: Any, spin: float) -> bool:
+        """NOTE [Own reads] (7): poll ``ch``'s socket without sleeping for up to ``spin``
+        seconds; True if it became readable meanwhile. Misses in a row stop the spinning
+        on ``ch`` for a while."""
+        end = _now() + spin
+        while True:
+            if poll.poll(0):
+                ch.spin_misses = 0
+                self._stats["own_read_spin_hits"] += 1
+                return True
+            if _now() >= end:
+                break
+        ch.spin_misses += 1
+        if ch.spin_misses >= SPIN_MISSES:
+            ch.spin_misses = 0
+            ch.spin_skip = SPIN_PAUSE
+            self._stats["own_read_spin_pauses"] += 1
         return False
 
     def _dispatch_handed(self, ch: Channel, items: list) -> None:

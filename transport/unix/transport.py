@@ -166,6 +166,9 @@ class UnixTransport:
             self.name, self.id, self, self._peers, self._self_pending, on_message, self._timers, self._pool,
             self._lead, bell, self._stats, bool(ex.get("shm_copy_out", False)),
         )
+        spin_us = ex.get("own_read_spin_us", os.environ.get("RREFRT_OWN_SPIN_US"))
+        if spin_us is not None:  # NOTE [Own reads] (7) in receiver.py; 0 turns the spin off
+            self._rx.spin = max(0.0, float(spin_us)) * 1e-6
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._acceptor: Acceptor | None = None
