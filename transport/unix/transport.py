@@ -6,7 +6,7 @@ The objects, one per concern, and the threads that run them:
 |---|---|---|---|
 | ``UnixTransport`` | transport.py | the Transport API, the join, liveness verdicts, teardown, close | callers' threads (API); the loop (verdicts, teardown) |
 | ``Channel`` | channel.py | one peer: socket, state, its pending requests, the bounded send queue and writer, read state | any thread writes; the loop reads |
-| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers, segment releases | the leading thread |
+| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers, segment releases; a caller's read of its own answer (NOTE [Own reads]) | the leading thread; a waiting caller |
 | ``Leadership`` | lead.py | which thread leads the loop; inline calls (off by default) | the loop's threads |
 | ``Timers`` | timers.py | the timer heap and the deadline slices of requests | any thread pushes; the loop runs |
 | ``Poller``, ``Bell`` | poller.py | epoll over the sockets; the eventfd that wakes the loop | the loop (any thread rings) |
