@@ -79,6 +79,7 @@ import concurrent.futures
 import concurrent.futures._base as _cf
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 from typing import Any, Callable, Generic, Iterable, TypeVar
@@ -179,6 +180,8 @@ class Future(concurrent.futures.Future, Generic[T]):
     _torch_side = False  #: the instance is also a torch._C.Future (class attribute)
     _torch_wanted = False  #: torch's side was asked for: complete it on completion (NOTE [torch interop])
     _torch_marked = False  #: torch's side is completed (or being completed)
+    #: (read_until, peer): the waiting thread may read its answer itself (``_read_own``)
+    _reader: Any = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Future[T]":
         if cls is Future:
@@ -307,6 +310,13 @@ class Future(concurrent.futures.Future, Generic[T]):
     # holding this future into the stored error's traceback - a cycle that keeps RRefs alive)
     def result(self, timeout: float | None = None) -> T:
         try:
+            if self._reader is not None and self._state is not _FINISHED:
+                pool = current_pool()  # NOTE [Own reads]: read the answer here first
+                if pool is not None:
+                    with pool.blocking():
+                        timeout = self._read_own(timeout)
+                else:
+                    timeout = self._read_own(timeout)
             if self._state is _FINISHED:  # fast path: no lock (NOTE [Lazy condition])
                 r = self._result  # read before _exception: _decode writes them the other way round
                 if type(r) is _Lazy:
@@ -335,6 +345,21 @@ class Future(concurrent.futures.Future, Generic[T]):
             # the future) would be a cycle holding every object in it, RRefs included
             self = None  # type: ignore[assignment]  # noqa: F841
             raise
+
+    def _read_own(self, timeout: float | None) -> float | None:
+        """NOTE [Own reads] in transport/unix/receiver.py: a future whose answer comes from
+        one peer (``_reader``: the transport's ``read_until`` and that peer, set by the
+        runtime on futures only waited for) lets this thread read the answer itself before
+        it waits. Once per future; never raises. Returns what is left of ``timeout``."""
+        reader, self._reader = self._reader, None
+        t0 = time.monotonic()
+        try:
+            reader[0](reader[1], self.done, timeout)
+        except Exception:
+            _cf.LOGGER.exception("reading the answer of %r failed; waiting for it instead", self)
+        if timeout is None:
+            return None
+        return max(0.0, timeout - (time.monotonic() - t0))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if self._state is _FINISHED:

@@ -252,6 +252,12 @@ class AutoTransport:
         if self.local is not None:
             self.local.hand_off()
 
+    def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
+        """NOTE [Own reads] in transport/unix/receiver.py: only over the same-host path."""
+        local = self.local
+        if local is not None and dest in self._local_ids:
+            local.read_until(dest, done, timeout)
+
     def is_alive(self, peer_id: int) -> bool:
         return peer_id not in self._dead and self._via(peer_id).is_alive(peer_id) and self.inner.is_alive(peer_id)
 

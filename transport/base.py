@@ -170,6 +170,13 @@ class Transport(Protocol):
         role (a no-op where nothing runs inline)."""
         ...
 
+    def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
+        """Called by a thread about to wait for an answer from ``dest``: read that answer on
+        this thread if the transport can (NOTE [Own reads] in rrefrt_transport.unix.receiver)
+        until ``done()`` or a bounded time; a no-op elsewhere. Never raises for the peer's
+        state: the caller waits for its future afterwards as before."""
+        ...
+
     def is_alive(self, peer_id: int) -> bool: ...
 
     def is_local(self, peer_id: int) -> bool:

@@ -211,6 +211,9 @@ class InprocTransport:
     def hand_off(self) -> None:
         """Nothing runs inline here: nothing to hand on."""
 
+    def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
+        """No own reads here: the caller waits for its future."""
+
     def _post(self, dest: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any], label: str) -> None:
         meta, frames = _copy_meta(meta), [_copy_frame(f) for f in frames]
         delays = [0.0]

@@ -54,6 +54,8 @@ class Caller:
         frames, forks = self.payloads.dumps_call(func, args, kwargs, dest)
         fut: Future[Any] = WaitedFuture() if waited else Future()
         fut._callback_pool = core.callbacks
+        if waited:  # NOTE [Own reads] in transport/unix/receiver.py
+            fut._reader = (core.transport.read_until, dest)
         call = self.requests.new_call(fut, dest, forks)
         call.func = func  # the error's text names it (formatted only if the call fails)
         if func is _invoke_on_owner and args:  # a proxy call: the RRef (only it is kept)
@@ -119,6 +121,8 @@ class Caller:
             t = max(0.001, min(t, left)) if t > 0 else max(0.001, left)
         fut: Future[Any] = WaitedFuture() if waited else Future()
         fut._callback_pool = core.callbacks
+        if waited:  # NOTE [Own reads] in transport/unix/receiver.py: the owner answers
+            fut._reader = (core.transport.read_until, rec.owner)
         cell = rref._creation
         if cell is not None:
             value = cell.value

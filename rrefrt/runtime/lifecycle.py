@@ -29,7 +29,10 @@ AGENT_KEYS = ("messages_sent", "messages_received", "bytes_sent", "bytes_receive
               "peers_declared_dead", "control_retries", "duplicate_calls_dropped",
               # NOTE [Protocol errors] in rrefrt_transport.unix.transport: same-host connections
               # closed on a protocol error, read here / by the peer (no death: the inner transport judges)
-              "protocol_errors", "connections_closed_by_peer")
+              "protocol_errors", "connections_closed_by_peer",
+              # NOTE [Own reads] in transport/unix/receiver.py: waits that read their own
+              # answer, and those that handed a message for the loop on
+              "own_reads", "own_reads_handed")
 
 
 class Lifecycle:

@@ -719,3 +719,110 @@ def test_a_protocol_error_on_a_peers_connection_closes_it_on_both_sides_without_
               f"{time.monotonic() - t0:.2f}s ({cause})")
         assert peer_id == 1
     stop.set()
+
+
+def _request_and_read(g: Any, dest: int, kind: int, meta: Any, frames: list, timeout: float) -> tuple[Any, list, Any]:
+    """A request whose caller reads its own answer (NOTE [Own reads] in
+    rrefrt_transport.unix.receiver), then takes it from its box (bounded)."""
+    box: queue.Queue = queue.Queue()
+    done = threading.Event()
+
+    def on_done(m: Any, f: Any, e: Any) -> None:
+        box.put((m, [bytes(x) for x in f], e, threading.current_thread().name))
+        done.set()
+
+    g.t.request(dest, kind, meta, frames, timeout, on_done)
+    g.t.read_until(dest, done.is_set, timeout)
+    return box.get(timeout=timeout + 5)
+
+
+def test_callers_read_their_own_answers_from_many_threads() -> None:
+    """NOTE [Own reads]: concurrent callers each read (or are handed) their own answers; one
+    reader per socket at a time, so every answer arrives once and whole, and the socket is
+    watched by the loop again afterwards (a request nobody reads for is still answered)."""
+    with group(2) as g:
+        n_threads, per = 4, 100
+        got: queue.Queue = queue.Queue()
+
+        def worker(t: int) -> None:
+            for i in range(per):
+                dest = 1 + (i % 2)
+                payload = f"{t}-{i}".encode() * (1 + i % 7)
+                m, f, e, where = _request_and_read(g, dest, ECHO, [t, i], [payload, b"", b"z"], 20.0)
+                got.put((m, f, e, payload, where))
+
+        threads = [threading.Thread(target=worker, args=(t,), name=f"caller-{t}") for t in range(n_threads)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        out = [got.get(timeout=10) for _ in range(n_threads * per)]
+        assert all(e is None and f == [p, b"", b"z"] for _, f, e, p, _ in out)
+        assert sorted(tuple(m) for m, _, _, _, _ in out) == sorted((t, i) for t in range(n_threads) for i in range(per))
+        assert g.t.stats["own_reads"] > 0
+        assert any(w.startswith("caller-") for *_, w in out), "no caller ever read its own answer"
+        assert not any(ch.reading for ch in g.t._peers.values()), "a read token was kept"
+        for dest in (1, 2):  # the loop reads both sockets again
+            assert g.call(dest, ECHO, "after", [b"x"])[2] is None
+
+
+def test_a_message_for_the_loop_is_handed_on_while_a_caller_reads_and_every_wait_is_bounded() -> None:
+    """NOTE [Own reads] (3), (4): a request from the peer that arrives while a caller reads
+    its own answer goes to the loop (on_message) at once; the caller's read ends with its
+    request's deadline (the loop decides it), not later."""
+    with group(1) as g:
+        result: queue.Queue = queue.Queue()
+        t0 = time.monotonic()
+        th = threading.Thread(target=lambda: result.put(_request_and_read(g, 1, IGNORE, None, [b"x"], 2.0)))
+        th.start()
+        poll_for(lambda: g.t.stats["own_reads"] >= 1 and g.t._peers[1].reading, 5, "the caller reads its socket")
+        g.children[0].tell({"cmd": "call", "dest": 0})  # the peer sends us a request meanwhile
+        src, kind, _, meta, _ = g.messages.get(timeout=5)
+        assert (src, kind, meta) == (1, ECHO, ["echo"])
+        assert g.t.stats["own_reads_handed"] >= 1
+        assert time.monotonic() - t0 < 2.0, "the request waited for the caller's read to end"
+        _, _, err, _ = result.get(timeout=10)
+        assert isinstance(err, RequestTimeout)
+        th.join(5)
+        assert time.monotonic() - t0 < 4.0
+        assert g.call(1, ECHO, "after", [b"y"])[2] is None
+
+
+def test_a_request_that_lent_a_segment_leaves_its_answer_to_the_loop() -> None:
+    """NOTE [Own reads] (6): after a request whose frame went through shared memory the
+    caller does not read (the peer's release follows the answer); the next small one does."""
+    with group(1, shm_threshold=256 << 10) as g:
+        big = pattern(1 << 20)
+        m, f, e, where = _request_and_read(g, 1, ECHO, "big", [big], 20.0)
+        assert e is None and f == [big] and g.t.stats["own_reads"] == 0
+        assert where.startswith("rrefrt-unix-"), where  # answered on the loop's thread
+        for _ in range(50):  # (the loop may hold the socket for the release meanwhile)
+            m, f, e, _ = _request_and_read(g, 1, ECHO, "small", [b"s"], 20.0)
+            assert e is None and f == [b"s"]
+            if g.t.stats["own_reads"]:
+                break
+        assert g.t.stats["own_reads"] >= 1
+
+
+def test_the_spin_before_a_callers_sleep_pauses_when_it_does_not_pay() -> None:
+    """NOTE [Own reads] (7): a caller polls for its answer up to the spin's bound before it
+    sleeps; spins that end without an answer SPIN_MISSES times in a row pause the spinning
+    on that channel for SPIN_PAUSE waits (a peer that answers late, or shares our core)."""
+    from rrefrt_transport.unix import receiver
+
+    with group(1) as g:
+        ch = g.t._peers[1]
+        for _ in range(4 * receiver.SPIN_MISSES):  # never answered: every spin misses
+            _, _, err, _ = _request_and_read(g, 1, IGNORE, None, [b"x"], 0.1)
+            assert isinstance(err, RequestTimeout)
+            if g.t.stats["own_read_spin_pauses"]:  # (a wait that found the loop reading spins not)
+                break
+        assert g.t.stats["own_read_spin_pauses"] == 1 and ch.spin_skip == receiver.SPIN_PAUSE
+        reads = g.t.stats["own_reads"]
+        m, f, e, _ = _request_and_read(g, 1, ECHO, "after", [b"y"], 10.0)
+        assert e is None and f == [b"y"]
+        assert ch.spin_skip == receiver.SPIN_PAUSE - (g.t.stats["own_reads"] - reads)
+        g.t._rx.spin = 0.0  # off (extra["own_read_spin_us"] = 0): no spin, still answered
+        ch.spin_skip = 0
+        assert _request_and_read(g, 1, ECHO, "off", [b"z"], 10.0)[2] is None
+        assert g.t.stats["own_read_spin_pauses"] == 1

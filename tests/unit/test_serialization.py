@@ -95,6 +95,25 @@ def test_misaligned_frame_is_copied():
     assert torch.equal(out, t)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_a_small_read_only_frame_becomes_a_private_writable_tensor(offset):
+    """NOTE [Small tensor frames]: a read-only frame (a slice of the message's bytes, at
+    any alignment) is copied once into a tensor of its own; a larger one keeps aliasing."""
+    t = torch.arange(1024, dtype=torch.float32).reshape(32, 32).t()
+    frames, _ = ser.dumps(t)
+    blob = b"x" * offset + bytes(frames[1])
+    frame = memoryview(blob)[offset:]
+    out = ser.loads([bytes(frames[0]), frame], [])
+    assert torch.equal(out, t) and out.stride() == t.stride()
+    out.add_(1)  # writable, and not the frame's memory
+    assert bytes(frame) == bytes(frames[1])
+    big = torch.arange(buffers.COPY_FRAMES_BELOW // 4 + 16, dtype=torch.float32)
+    bframes, _ = ser.dumps(big)
+    raw = bytes(bframes[1])
+    out_big = ser.loads([bytes(bframes[0]), memoryview(raw)], [])
+    assert torch.equal(out_big, big)
+
+
 def test_short_frame_is_a_serialization_error():
     t = torch.arange(10, dtype=torch.float64).reshape(2, 5).t()
     frames, _ = ser.dumps(t)

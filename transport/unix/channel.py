@@ -4,7 +4,10 @@ lock and writer, and what its reads left over (received fds, mapped segments).
 
 Thread roles (Rule 1 of ``rrefrt_transport.unix.transport``): any thread writes through
 ``write``; the thread that leads the receiver loop reads (``read_some``), writes the queue
-on EVENT_WRITE and tears the connection down.
+on EVENT_WRITE and tears the connection down. The read side (``read_some``, ``reader``,
+received fds and segments) belongs to whoever holds the read token (``claim_read``): the
+loop's thread while it reads, or a caller's thread that reads its own answer (NOTE [Own
+reads] in ``rrefrt_transport.unix.receiver``).
 
 NOTE [Send queue bound]: no thread ever waits for a peer that does not read. A sending
 thread writes its own message, zero copy, for as long as the socket keeps taking bytes
@@ -34,7 +37,7 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from rrefrt_transport.base import PeerSpec
 from rrefrt_transport.liveness import PeerState
@@ -141,6 +144,36 @@ class Channel:
         self.closed = ""
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: the read token (NOTE [Own reads] in rrefrt_transport.unix.receiver): a thread reads
+        #: this channel now; taken and given back under ``_read_mu``
+        self.reading = False
+        self._read_mu = threading.Lock()
+        #: NOTE [Own reads] (7): spins in a row that ended without an answer, and how many
+        #: waits skip the spin now (the read token's holder alone updates them)
+        self.spin_misses = 0
+        self.spin_skip = 0
+
+    def claim_read(self, if_busy: Callable[[], None] | None = None) -> bool:
+        """Take the read token; False: another thread reads this channel now (then
+        ``if_busy`` runs under the token's lock: the loop mutes the socket there, so that
+        it cannot stay muted after the holder gave the token back)."""
+        with self._read_mu:
+            if self.reading:
+                if if_busy is not None:
+                    if_busy()
+                return False
+            self.reading = True
+            return True
+
+    def release_read(self, then: Callable[[], None] | None = None) -> None:
+        """Give the token back; ``then`` (unmute the socket) runs under the token's lock."""
+        if then is None:
+            self.reading = False  # one store: a claim under the lock sees either value
+            return
+        with self._read_mu:
+            self.reading = False
+            if then is not None:
+                then()
 
     def __repr__(self) -> str:
         return f"Channel({self.spec.name!r}, {self.state.value})"

@@ -1,7 +1,8 @@
 """The receiver thread's wait (``rrefrt_transport.unix.receiver``): an epoll set over the
 peer sockets, the listening socket and admissions, and the bell that wakes it.
 
-Thread roles: ``Poller`` is used by the thread that leads the receiver loop alone;
+Thread roles: ``Poller`` is used by the thread that leads the receiver loop alone, but for
+``mute`` and ``unmute`` (any thread: they change the kernel's set only, never the table);
 ``Bell.ring`` may be called from any thread.
 """
 
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 from typing import Any
 
 READ, WRITE = select.EPOLLIN, select.EPOLLOUT
+_ONESHOT = select.EPOLLONESHOT
 _ERR = select.EPOLLERR | select.EPOLLHUP
 
 
@@ -23,14 +26,18 @@ class Poller:
         self._ep = select.epoll()
         self._data: dict[int, Any] = {}
         self._events: dict[int, int] = {}
+        #: serialises a change of the kernel's mask with the table it is read from (``mute``
+        #: and ``unmute`` on other threads must not restore a mask the loop changed meanwhile)
+        self._mask = threading.Lock()
 
     def register(self, fd: int, events: int, data: Any) -> None:
         self._ep.register(fd, events)
         self._data[fd], self._events[fd] = data, events
 
     def modify(self, fd: int, events: int, data: Any) -> None:
-        self._ep.modify(fd, events)
-        self._data[fd], self._events[fd] = data, events
+        with self._mask:
+            self._ep.modify(fd, events)
+            self._data[fd], self._events[fd] = data, events
 
     def unregister(self, fd: int) -> None:
         """KeyError if ``fd`` is not registered (as ``selectors``)."""
@@ -39,6 +46,28 @@ class Poller:
             self._ep.unregister(fd)
         except OSError:
             pass  # closed already: the kernel dropped it
+
+    def mute(self, fd: int) -> None:
+        """Any thread: stop reporting ``fd`` readable (NOTE [Own reads] in
+        ``rrefrt_transport.unix.receiver``). One-shot: a hang-up or a write event, which epoll
+        reports whatever the mask, is reported once more at most, never in a loop. The table
+        keeps the wanted events: ``unmute`` restores them."""
+        with self._mask:
+            try:
+                self._ep.modify(fd, (self._events.get(fd, READ) & ~READ) | _ONESHOT)
+            except (OSError, ValueError):
+                pass  # closed or unregistered meanwhile: nothing to report any more
+
+    def unmute(self, fd: int) -> None:
+        """Any thread: report ``fd`` with the events of the table again."""
+        with self._mask:
+            events = self._events.get(fd)
+            if events is None:
+                return  # unregistered meanwhile (its channel is gone)
+            try:
+                self._ep.modify(fd, events)
+            except (OSError, ValueError):
+                pass
 
     def events_of(self, fd: int) -> int:
         return self._events.get(fd, 0)

@@ -6,7 +6,7 @@ The objects, one per concern, and the threads that run them:
 |---|---|---|---|
 | ``UnixTransport`` | transport.py | the Transport API, the join, liveness verdicts, teardown, close | callers' threads (API); the loop (verdicts, teardown) |
 | ``Channel`` | channel.py | one peer: socket, state, its pending requests, the bounded send queue and writer, read state | any thread writes; the loop reads |
-| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers, segment releases | the leading thread |
+| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers, segment releases; a caller's read of its own answer (NOTE [Own reads]) | the leading thread; a waiting caller |
 | ``Leadership`` | lead.py | which thread leads the loop; inline calls (off by default) | the loop's threads |
 | ``Timers`` | timers.py | the timer heap and the deadline slices of requests | any thread pushes; the loop runs |
 | ``Poller``, ``Bell`` | poller.py | epoll over the sockets; the eventfd that wakes the loop | the loop (any thread rings) |
@@ -41,7 +41,9 @@ Rules:
    runs the timer heap (deadlines, ``call_later``, delayed fault-hook messages, heartbeats).
    The runtime may ask it to run a call itself (``run_inline``): then the receiver role can
    move to a standby thread (NOTE [Inline calls] in ``lead``); "the receiver thread"
-   is whichever thread leads the loop now.
+   is whichever thread leads the loop now. A caller waiting for its answer may read its
+   peer's socket itself meanwhile (``read_until``, NOTE [Own reads] in ``receiver``): one
+   reader per socket at a time, and what is not an answer goes to the loop.
 3. Nothing from a connection is decoded before it is admitted (NOTE [Same-host admission]
    in docs/same-host.md): SO_PEERCRED uid = ours, then the HMAC challenge-response of
    ``wire``. Until ``connect_peers`` gives the group, accepted connections wait. Only the
@@ -189,12 +191,17 @@ class UnixTransport:
             self.name, self.id, self, self._peers, self._self_pending, on_message, self._timers, self._pool,
             self._lead, bell, self._stats, bool(ex.get("shm_copy_out", False)),
         )
+        spin_us = ex.get("own_read_spin_us", os.environ.get("RREFRT_OWN_SPIN_US"))
+        if spin_us is not None:  # NOTE [Own reads] (7) in receiver.py; 0 turns the spin off
+            self._rx.spin = max(0.0, float(spin_us)) * 1e-6
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._acceptor: Acceptor | None = None
         self._joined = threading.Condition(threading.Lock())
         self._join_error: TransportError | None = None
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-unix-{self.name}", daemon=True)
+        #: per thread: the peer its last message lent a segment to (NOTE [Own reads] (6))
+        self._lent = threading.local()
 
     @property
     def stats(self) -> collections.Counter:
@@ -503,6 +510,20 @@ class UnixTransport:
         """An inline call is about to block: the standby takes the loop over now."""
         self._lead.hand_off()
 
+    def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
+        """A caller's thread that waits for an answer from ``dest`` reads it itself (NOTE
+        [Own reads] in rrefrt_transport.unix.receiver), until ``done()`` or a bounded time;
+        returns at once where it cannot (the loop reads that peer now, or this is the loop's
+        thread)."""
+        if self._lent.__dict__.pop("to", None) == dest:
+            # NOTE [Own reads] (6): this thread's request lent the peer a segment: its release
+            # follows the answer, and the loop would wake for it while this thread runs on
+            return
+        ch = self._peers.get(dest)
+        if ch is None or ch.state is not UP or self.closing or threading.get_ident() == self._lead.leader:
+            return
+        self._rx.read_until(ch, done, timeout)
+
     def is_alive(self, peer_id: int) -> bool:
         if peer_id == self.id:
             return not self._closed.is_set()
@@ -624,6 +645,7 @@ class UnixTransport:
         attach = ch.id not in seg.known_by
         seg.known_by.add(ch.id)
         self._stats["shm_frames_sent"] += len(big)
+        self._lent.to = ch.id  # NOTE [Own reads] (6)
         bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags))
         if not ch.write(bufs, (seg.fd,) if attach else (), deadline):
             self._pool.peer_gone(ch.id)

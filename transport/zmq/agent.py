@@ -357,6 +357,9 @@ class ZmqTransport:
     def hand_off(self) -> None:
         """Nothing runs inline here: nothing to hand on."""
 
+    def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
+        """No own reads here: the caller waits for its future."""
+
     def peer_name(self, peer_id: int) -> str:
         return self._names.get(peer_id) or ("self" if peer_id == self.id else f"<worker {peer_id}>")
 
