@@ -2,6 +2,7 @@
 for N workers started by rrefrt-run on this node, each calling only its neighbour.
 
     python bench/scale_join.py 8 32 64 128        # the curve (niced)
+    python bench/scale_join.py 64 --burners 2 --repeat 5   # beside 2 CPU burners, 5 jobs
     RREFRT_CONNECT=eager python bench/scale_join.py 64   # the full mesh, for comparison
 
 Each worker prints one line ``SCALE {json}``: its init time (from entering init_rpc to its
@@ -50,14 +51,23 @@ def worker() -> int:
     return 0
 
 
-def drive(sizes: list[int]) -> int:
-    for n in sizes:
+def drive(sizes: list[int], burners: int = 0, repeat: int = 1) -> int:
+    failed = 0
+    for n in [n for n in sizes for _ in range(repeat)]:
+        # CPU burners beside the job (busy loops at the job's priority), ended by their pid
+        burn = [subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while True: pass"]) for _ in range(burners)]
         t0 = time.monotonic()
-        proc = subprocess.run(
-            ["nice", "-n", "10", sys.executable, "-m", "rrefrt.run", "--nproc-per-node", str(n), __file__, "--worker"],
-            capture_output=True, text=True, timeout=900,
-        )
+        try:
+            proc = subprocess.run(
+                ["nice", "-n", "10", sys.executable, "-m", "rrefrt.run", "--nproc-per-node", str(n), __file__, "--worker"],
+                capture_output=True, text=True, timeout=900,
+            )
+        finally:
+            for b in burn:
+                b.kill()
+                b.wait()
         wall = time.monotonic() - t0
+        failed += proc.returncode != 0
         rows = [json.loads(line.split("SCALE ", 1)[1]) for line in proc.stdout.splitlines() if "SCALE " in line]
         if not rows:
             print(f"N={n}: exit {proc.returncode}, no worker reported\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -67,13 +77,24 @@ def drive(sizes: list[int]) -> int:
             vals = [r[key] for r in rows]
             return f"{statistics.median(vals):g} / {max(vals):g}"
 
-        print(f"N={n}: exit {proc.returncode}, {len(rows)}/{n} reported, job {wall:.1f}s; median / max: "
+        print(f"N={n}{f' with {burners} burners' if burners else ''}: exit {proc.returncode}, {len(rows)}/{n} "
+              f"reported, job {wall:.1f}s; median / max: "
               f"init {stat('init_s')} s, fds after init {stat('fds_init')}, after calls {stat('fds_calls')}, "
               f"data pipes after init {stat('pipes_init')}, after calls {stat('pipes_calls')}", flush=True)
-    return 0
+        if proc.returncode:
+            print(proc.stderr[-1500:], flush=True)
+    print(f"{failed} of {len(sizes) * repeat} jobs failed")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         sys.exit(worker())
-    sys.exit(drive([int(a) for a in sys.argv[1:]] or [8, 32, 64, 128]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description="init time and descriptors of N workers that call their neighbour")
+    ap.add_argument("sizes", nargs="*", type=int, default=[8, 32, 64, 128])
+    ap.add_argument("--burners", type=int, default=0, help="CPU burners beside each job")
+    ap.add_argument("--repeat", type=int, default=1, help="jobs per size")
+    a = ap.parse_args()
+    sys.exit(drive(a.sizes, a.burners, a.repeat))
