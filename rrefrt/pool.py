@@ -47,7 +47,7 @@ from rrefrt.errors import RpcError
 
 log = logging.getLogger("rrefrt.pool")
 
-__all__ = ["WorkerPool", "PoolExhaustedError", "current_pool", "DEFAULT_MAX_THREADS", "InlineWaits", "acting_as"]
+__all__ = ["WorkerPool", "PoolExhaustedError", "current_pool", "DEFAULT_MAX_THREADS"]
 
 _tls = threading.local()
 
@@ -63,33 +63,6 @@ class PoolExhaustedError(RpcError):
 
 def current_pool() -> "WorkerPool | None":
     return getattr(_tls, "pool", None)
-
-
-class InlineWaits:
-    """What ``current_pool()`` returns on a transport thread while it runs a call inline
-    (NOTE [Inline calls] in transport/unix/lead.py): a wait there hands the transport's
-    reading role to its standby thread at once instead of marking a pool thread blocked."""
-
-    __slots__ = ("_hand_off",)
-
-    def __init__(self, hand_off: Callable[[], None]) -> None:
-        self._hand_off = hand_off
-
-    @contextlib.contextmanager
-    def blocking(self) -> Iterator[None]:
-        self._hand_off()
-        yield
-
-
-@contextlib.contextmanager
-def acting_as(pool: Any) -> Iterator[None]:
-    """Run a block with ``current_pool()`` returning ``pool`` (an ``InlineWaits``)."""
-    prev = getattr(_tls, "pool", None)
-    _tls.pool = pool
-    try:
-        yield
-    finally:
-        _tls.pool = prev
 
 
 _RUN, _WATCH = 1, 2  #: what a woken thread is asked to do (a _Slot's role)

@@ -243,15 +243,6 @@ class AutoTransport:
         log.info("worker %r: worker %r is reached through %s from now on (%s)",
                  self.name, self.inner.peer_name(peer_id), type(self.inner).__name__, cause)
 
-    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
-        """NOTE [Inline calls] in transport/unix/lead.py: only for what the unix transport's
-        receiver thread read (any other thread is told no)."""
-        return self.local is not None and self.local.run_inline(task, fallback)
-
-    def hand_off(self) -> None:
-        if self.local is not None:
-            self.local.hand_off()
-
     def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
         """NOTE [Own reads] in transport/unix/receiver.py: only over the same-host path."""
         local = self.local

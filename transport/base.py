@@ -158,18 +158,6 @@ class Transport(Protocol):
         """Run ``fn`` on the transport's thread after ``delay`` seconds (guarded like every callback)."""
         ...
 
-    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
-        """NOTE [Inline calls] (rrefrt_transport.unix.lead): run ``task`` on the transport
-        thread that read the message it serves, after the current loop iteration; False: not
-        taken (a transport without inline calls, or another thread), the caller runs it
-        elsewhere. ``fallback`` runs instead if the task cannot run there after all."""
-        ...
-
-    def hand_off(self) -> None:
-        """Called by a task run inline before it blocks: another thread takes the reading
-        role (a no-op where nothing runs inline)."""
-        ...
-
     def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
         """Called by a thread about to wait for an answer from ``dest``: read that answer on
         this thread if the transport can (NOTE [Own reads] in rrefrt_transport.unix.receiver)

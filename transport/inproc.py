@@ -204,13 +204,6 @@ class InprocTransport:
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
         self.hub.schedule(delay, lambda: None if self._stopped or self._closed else fn())
 
-    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
-        """No inline calls here: the caller runs ``task`` on a pool."""
-        return False
-
-    def hand_off(self) -> None:
-        """Nothing runs inline here: nothing to hand on."""
-
     def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
         """No own reads here: the caller waits for its future."""
 

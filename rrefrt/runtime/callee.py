@@ -9,11 +9,9 @@ start, answer; a CALL_STACK_QUERY about one is answered on the transport thread
 (``on_stack_query``).
 
 Threads: ``on_python_call`` / ``on_remote_request`` / ``on_fetch`` run on the transport
-thread and never unpickle; ``run_call`` runs on the user pool, or on the same-host
-transport's reading thread after its loop iteration, under its standby's watch (NOTE
-[Inline calls] in transport/unix/lead.py); ``serve_fetch`` on the callback pool, on the
-pool thread that set the value, on the transport thread (a plain value, no user code), or
-inline as ``run_call`` (see the home-thread table in rrefrt/runtime/control.py); ``async def``
+thread and never unpickle; ``run_call`` runs on the user pool; ``serve_fetch`` on the
+callback pool, on the pool thread that set the value, or on the transport thread (a plain
+value, no user code) (see the home-thread table in rrefrt/runtime/control.py); ``async def``
 functions on the event loop thread.
 """
 
@@ -33,7 +31,7 @@ from rrefrt import state, userlog
 from rrefrt.payload.devices import NO_SCOPE
 from rrefrt.errors import RemoteSerializationError, SerializationError, ShutdownError
 from rrefrt.functions import is_async_execution, when_future_done
-from rrefrt.pool import InlineWaits, PoolExhaustedError, acting_as
+from rrefrt.pool import PoolExhaustedError
 from rrefrt.protocol.messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, ServeFetch, StackQuery
 from rrefrt.protocol.context import FAILED, READY, OwnerRecord
 from rrefrt.protocol.recent import RecentIds
@@ -78,9 +76,6 @@ class Callee:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
-        #: the transport's run_inline (NOTE [Inline calls]), looked up at the first call
-        self._inline: Callable[[Callable[[], None], Callable[[], None]], bool] | None = None
-        self._waits = InlineWaits(_no_hand_off)  # until the first call (the transport exists then)
 
     # ------------------------------------------------------------------ arrival (transport thread)
     def on_python_call(self, src: int, msg_id: int, msg: PythonCall, frames: Sequence[Any]) -> None:
@@ -109,17 +104,7 @@ class Callee:
         self.lifecycle.track_call(+1, src)
         core.inflight.arrived((src, msg_id) if rec is None else creation_key(rec.rref_id), src)
         call = (src, msg, msg_id, frames, rrefs, rec)
-        # NOTE [Inline calls] in transport/unix/lead.py: the thread that read it runs it
-        if not self._inline_hook()(lambda: self._run_inline(self.run_call, call), lambda: self._submit(call)):
-            self._submit(call)
-
-    def _inline_hook(self) -> Callable[[Callable[[], None], Callable[[], None]], bool]:
-        inline = self._inline
-        if inline is None:
-            transport_ = self.core.transport
-            inline = self._inline = transport_.run_inline
-            self._waits = InlineWaits(transport_.hand_off)
-        return inline
+        self._submit(call)
 
     def _submit(self, call: tuple) -> None:
         core = self.core
@@ -130,17 +115,11 @@ class Callee:
             self.lifecycle.track_call(-1, src)
             core.inflight.finished((src, msg_id) if rec is None else creation_key(rec.rref_id))
             self.finish(src, msg, msg_id, rec, None, e)
-        except RuntimeError as e:  # a stopped pool (a queued inline call's fallback at close)
+        except RuntimeError as e:  # a stopped pool (at close)
             src, msg, msg_id, _frames, _rrefs, rec = call
             self.lifecycle.track_call(-1, src)
             core.inflight.finished((src, msg_id) if rec is None else creation_key(rec.rref_id))
             self.finish(src, msg, msg_id, rec, None, ShutdownError(f"worker {core.info.name!r} is shutting down ({e})"))
-
-    def _run_inline(self, fn: Callable[..., None], args: tuple) -> None:
-        """On the transport thread that read the call or fetch (NOTE [Inline calls]): as a
-        pool task does, bound to this runtime; rrefrt's waits hand the reading role on."""
-        with state.bound(self.core), acting_as(self._waits):
-            fn(*args)
 
     def _seen_before(self, src: int, msg_id: int) -> bool:
         """A PYTHON_CALL delivered twice must not run twice."""
@@ -282,17 +261,12 @@ class Callee:
 
     def on_fetch(self, src: int, msg_id: int, msg: Fetch, frames: Sequence[Any]) -> None:
         """Transport thread: a fetch. A ready plain value is answered here, another ready one
-        on this thread after the loop's iteration (NOTE [Inline calls]) or on the callback
-        pool; a pending one waits for the value (served by whoever sets it)."""
+        on the callback pool; a pending one waits for the value (served by whoever sets it)."""
         sf = self.core.ctx.on_fetch(msg.rref_id, src, msg_id)
         if sf is None or self.serve_fetch_inline(sf):
             return
-        cbs = self.core.callbacks
-        # a ready value whose pickling may run user code: after this loop iteration, on this
-        # thread, under the standby's watch (NOTE [Inline calls]); else the callback pool
-        if not self._inline_hook()(
-                lambda: self._run_inline(self.serve_fetch, (sf,)), lambda: cbs.submit(self.serve_fetch, sf)):
-            cbs.submit(self.serve_fetch, sf)
+        # a ready value whose pickling may run user code: on the callback pool
+        self.core.callbacks.submit(self.serve_fetch, sf)
 
     def serve_fetch_inline(self, sf: ServeFetch) -> bool:
         """Answer a fetch on this thread if pickling the value runs no user code (a plain
@@ -343,9 +317,6 @@ def _run_loop(core: WorkerCore, loop: asyncio.AbstractEventLoop) -> None:
     with state.bound(core):
         loop.run_forever()
 
-
-def _no_hand_off() -> None:
-    pass
 
 
 def _settle(f: concurrent.futures.Future, done: Done) -> None:

@@ -3,8 +3,7 @@ reads its answer from the same-host socket itself. The results must be those of 
 plain path under concurrent callers, nested calls back to the waiting worker, remote()
 creations, timeouts and errors.
 
-One group (this process is w0, w1 serves in a subprocess) runs every check, with inline
-calls on the callee off and on.
+One group (this process is w0, w1 serves in a subprocess) runs every check.
 """
 
 from __future__ import annotations
@@ -34,14 +33,12 @@ def _fail(x: int) -> int:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("inline", ["0", "1"])
-def test_callers_that_read_their_own_answers_get_the_same_results(inline: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RREFRT_INLINE", inline)
+def test_callers_that_read_their_own_answers_get_the_same_results() -> None:
     workers = Workers()
     port = free_port()
     opts = {"rpc_timeout": 60.0, "shutdown_timeout": 30.0}
     try:
-        workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": opts}, {"RREFRT_INLINE": inline})
+        workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": opts})
         rrefrt.init_rpc("w0", rank=0, world_size=2,
                         rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **opts))
         before = _own_reads()

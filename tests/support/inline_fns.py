@@ -1,4 +1,4 @@
-"""Functions run by tests/cluster/test_inline_calls.py on a worker (importable by every worker)."""
+"""Functions run by tests/cluster/test_own_reads.py on a worker (importable by every worker)."""
 
 from __future__ import annotations
 

@@ -3,11 +3,10 @@ one thread per process waits on every peer socket, the listening socket, admissi
 the bell; reads whole messages and dispatches each on this thread (no hand-off on
 receipt); runs the timers; returns shared-memory segments.
 
-Thread roles: ``serve`` runs on the thread that leads the loop (NOTE [Inline calls] in
-``rrefrt_transport.unix.lead``: the lead may pass to a standby thread); ``call_soon`` and
+Thread roles: ``serve`` runs on the transport's receiver thread (``loop_thread``); ``call_soon`` and
 ``released`` may be called from any thread and ring the bell; ``read_until`` runs on a
 caller's thread that waits for an answer (NOTE [Own reads]); everything else runs on the
-leading thread.
+receiver thread.
 
 NOTE [Own reads]: a caller blocked for its answer (``rpc_sync``, ``to_here``) used to be
 woken by the receiver thread, which the kernel had woken first: two wake-ups and a GIL
@@ -60,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import select
 from time import monotonic as _now
 from typing import Any, Callable, Protocol
@@ -69,7 +69,6 @@ from rrefrt_transport.base import OnMessage
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
 from rrefrt_transport.unix.channel import UP, Channel, ChannelLost
-from rrefrt_transport.unix.lead import Leadership
 from rrefrt_transport.unix.poller import READ, WRITE, Bell, Poller
 from rrefrt_transport.unix.timers import Pending, Timers, guard
 
@@ -126,7 +125,6 @@ class Receiver:
         on_message: OnMessage,
         timers: Timers,
         pool: shm.SegmentPool,
-        lead: Leadership,
         bell: Bell,
         stats: collections.Counter,
         shm_copy_out: bool,
@@ -139,7 +137,7 @@ class Receiver:
         self._on_message = on_message
         self.timers = timers
         self._pool = pool
-        self.lead = lead
+        self.loop_thread = 0  #: ident of the thread that runs ``serve``
         self._stats = stats
         self._shm_copy_out = shm_copy_out
         self.poller = Poller()
@@ -170,12 +168,10 @@ class Receiver:
             self.bell.ring()
 
     # ------------------------------------------------------------------ the loop
-    def serve(self) -> bool:
-        """Run the loop on the leading thread until the transport closes (True, shut down)
-        or the lead passed to the standby while this thread ran an inline call (False: the
-        loop's state is the new leader's now)."""
-        lead, host, poller, timers = self.lead, self._host, self.poller, self.timers
-        closed = True
+    def serve(self) -> None:
+        """Run the loop on this thread until the transport closes, then shut it down."""
+        self.loop_thread = threading.get_ident()
+        host, poller, timers = self._host, self.poller, self.timers
         due = timers.next_due()
         try:
             while not host.closing:
@@ -184,7 +180,7 @@ class Receiver:
                 timeout = due - _now()
                 if timeout < 0.0:
                     timeout = 0.0
-                if self._calls or self._releases or lead.queue:
+                if self._calls or self._releases:
                     timeout = 0.0
                 for fd, data, events in poller.poll(timeout):
                     if data is BELL:
@@ -206,15 +202,10 @@ class Receiver:
                 if self._watch_needed:
                     self.watch_writes()
                 due = timers.run_due()
-                if lead.queue and not lead.run_queued():  # at a consistent point only
-                    closed = False
-                    return False
         except Exception:  # a bug here must not leave callers waiting forever
             log.exception("receiver thread of %r crashed", self.name)
         finally:
-            if closed:
-                host.shutdown()
-        return True
+            host.shutdown()
 
     def _writable(self, ch: Channel) -> None:
         ch.want_write = False

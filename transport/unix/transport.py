@@ -6,8 +6,7 @@ The objects, one per concern, and the threads that run them:
 |---|---|---|---|
 | ``UnixTransport`` | transport.py | the Transport API, the join, liveness verdicts, teardown, close | callers' threads (API); the loop (verdicts, teardown) |
 | ``Channel`` | channel.py | one peer: socket, state, its pending requests, the bounded send queue and writer, read state | any thread writes; the loop reads |
-| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers, segment releases; a caller's read of its own answer (NOTE [Own reads]) | the leading thread; a waiting caller |
-| ``Leadership`` | lead.py | which thread leads the loop; inline calls (off by default) | the loop's threads |
+| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers, segment releases; a caller's read of its own answer (NOTE [Own reads]) | the receiver thread; a waiting caller |
 | ``Timers`` | timers.py | the timer heap and the deadline slices of requests | any thread pushes; the loop runs |
 | ``Poller``, ``Bell`` | poller.py | epoll over the sockets; the eventfd that wakes the loop | the loop (any thread rings) |
 | ``Acceptor`` | admit.py | admission of accepted connections (peer credentials, HMAC) | the loop; ``connect_and_admit`` on the joining thread |
@@ -39,9 +38,9 @@ Rules:
    socket and a bell (eventfd). It reads whole messages, decodes the header once, and calls
    ``on_message`` or a request's ``on_done`` itself: no thread handoff on receipt. It also
    runs the timer heap (deadlines, ``call_later``, delayed fault-hook messages, heartbeats).
-   The runtime may ask it to run a call itself (``run_inline``): then the receiver role can
-   move to a standby thread (NOTE [Inline calls] in ``lead``); "the receiver thread"
-   is whichever thread leads the loop now. A caller waiting for its answer may read its
+   Calls run on the runtime's pool, never on this thread (running short calls here, with a
+   standby thread taking the loop over when one blocked, was measured and did not pay:
+   docs/performance.md). A caller waiting for its answer may read its
    peer's socket itself meanwhile (``read_until``, NOTE [Own reads] in ``receiver``): one
    reader per socket at a time, and what is not an answer goes to the loop.
 3. Nothing from a connection is decoded before it is admitted (NOTE [Same-host admission]
@@ -115,7 +114,6 @@ from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
 from rrefrt_transport.unix.admit import ACCEPT_GRACE, ADMIT_TIMEOUT, Acceptor, connect_and_admit, host_key
 from rrefrt_transport.unix.channel import DEAD, JOINING, QUEUE_BYTES, UP, Channel
-from rrefrt_transport.unix.lead import Leadership, inline_enabled
 from rrefrt_transport.unix.poller import READ, Bell
 from rrefrt_transport.unix.receiver import LISTEN, Receiver
 from rrefrt_transport.unix.timers import Pending, Timers, guard
@@ -185,11 +183,9 @@ class UnixTransport:
         self._pool = shm.SegmentPool(f"{self.name}", int(ex.get("shm_pool_bytes", 256 << 20)))
         bell = Bell()
         self._timers = Timers(bell.ring, self._expire)
-        #: who runs the receiver loop now, and calls run inline (NOTE [Inline calls])
-        self._lead = Leadership(self.name, inline_enabled(ex), self._stats)
         self._rx = Receiver(
             self.name, self.id, self, self._peers, self._self_pending, on_message, self._timers, self._pool,
-            self._lead, bell, self._stats, bool(ex.get("shm_copy_out", False)),
+            bell, self._stats, bool(ex.get("shm_copy_out", False)),
         )
         spin_us = ex.get("own_read_spin_us", os.environ.get("RREFRT_OWN_SPIN_US"))
         if spin_us is not None:  # NOTE [Own reads] (7) in receiver.py; 0 turns the spin off
@@ -217,7 +213,7 @@ class UnixTransport:
 
     # ------------------------------------------------------------------ ChannelHost
     def on_loop_thread(self) -> bool:
-        return threading.get_ident() == self._lead.leader
+        return threading.get_ident() == self._rx.loop_thread
 
     def want_write(self, ch: Channel) -> None:
         self._rx.want_write()
@@ -254,7 +250,7 @@ class UnixTransport:
     def _run(self) -> None:
         hb = self.config.heartbeat_interval
         self._timers.push(time.monotonic() + hb, self._heartbeat)
-        self._lead.main(self._rx.serve)  # runs the loop here, and on the standby when it takes over
+        self._rx.serve()
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Join. Lazily (NOTE [Lazy same-host connections]): record the group, connect
@@ -501,15 +497,6 @@ class UnixTransport:
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
         self._timers.push(time.monotonic() + delay, fn)
 
-    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
-        """From ``on_message`` on the receiver thread: run ``task`` on this thread once the
-        loop's iteration is done (NOTE [Inline calls]); False: hand it on yourself."""
-        return self._lead.run_inline(task, fallback)
-
-    def hand_off(self) -> None:
-        """An inline call is about to block: the standby takes the loop over now."""
-        self._lead.hand_off()
-
     def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
         """A caller's thread that waits for an answer from ``dest`` reads it itself (NOTE
         [Own reads] in rrefrt_transport.unix.receiver), until ``done()`` or a bounded time;
@@ -520,7 +507,7 @@ class UnixTransport:
             # follows the answer, and the loop would wake for it while this thread runs on
             return
         ch = self._peers.get(dest)
-        if ch is None or ch.state is not UP or self.closing or threading.get_ident() == self._lead.leader:
+        if ch is None or ch.state is not UP or self.closing or self.on_loop_thread():
             return
         self._rx.read_until(ch, done, timeout)
 
@@ -766,8 +753,6 @@ class UnixTransport:
             self.shutdown()
             return
         self._rx.bell.ring()
-        # the loop may have moved to the standby thread (NOTE [Inline calls]): wait for it
-        # to finish shutting down rather than for the thread the loop started on
         if not self._closed.wait(timeout):
             log.error("receiver thread of %r did not stop within %.1fs; abandoning it", self.name, timeout)
             self._fail_all()
@@ -797,7 +782,6 @@ class UnixTransport:
             self._listener.close()
         self._unlink()
         self._pool.close()
-        self._lead.close()
         self._rx.close()
         self._closed.set()
 

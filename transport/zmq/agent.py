@@ -350,13 +350,6 @@ class ZmqTransport:
         else:
             self._schedule(lambda: self._loop.call_later(delay, fn))
 
-    def run_inline(self, task: Callable[[], None], fallback: Callable[[], None]) -> bool:
-        """No inline calls here: the caller runs ``task`` on a pool."""
-        return False
-
-    def hand_off(self) -> None:
-        """Nothing runs inline here: nothing to hand on."""
-
     def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
         """No own reads here: the caller waits for its future."""
 
