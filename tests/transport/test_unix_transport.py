@@ -826,3 +826,40 @@ def test_the_spin_before_a_callers_sleep_pauses_when_it_does_not_pay() -> None:
         ch.spin_skip = 0
         assert _request_and_read(g, 1, ECHO, "off", [b"z"], 10.0)[2] is None
         assert g.t.stats["own_read_spin_pauses"] == 1
+
+
+def test_a_lazy_connection_waits_for_a_peer_still_joining(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [Lazy same-host connections]: w0 has the group and calls w1, whose transport is
+    up but does not know the group yet (its init_rpc is still joining): w1's admission
+    holds the connection, then drops it (ADMIT_TIMEOUT, shortened here); w0's connector
+    tries again, and once w1 knows the group the call is answered. (A single attempt failed
+    the call with "its same-host connection could not be made".)"""
+    from rrefrt_transport.unix import admit
+
+    monkeypatch.setattr(admit, "ADMIT_TIMEOUT", 0.3)
+    got: queue.Queue = queue.Queue()
+
+    def on1(src: int, kind: int, msg_id: int, meta: Any, frames: list) -> None:
+        t1.respond(src, msg_id, meta)
+
+    extra = {"shm_threshold": 0}
+    cfg = lambda i: TransportConfig(i, f"w{i}", 80 + i, kind="unix", connect="lazy", heartbeat_interval=0.1,  # noqa: E731
+                                    heartbeat_timeout=30.0, extra=extra)
+    t0 = UnixTransport(cfg(0), lambda *a: None, lambda p, c: None)
+    t1 = UnixTransport(cfg(1), on1, lambda p, c: None)
+    t0.on_connect_wanted = t1.on_connect_wanted = lambda peer: None
+    specs = [PeerSpec(0, "w0", 80, t0.listen()), PeerSpec(1, "w1", 81, t1.listen())]
+    try:
+        t0.start()
+        t1.start()
+        t0.connect_peers(specs, 10.0)
+        t0.request(1, 17, "late joiner", [], 30.0, lambda m, f, e: got.put((m, e)))
+        poll_for(lambda: t0.stats["connect_retries"] >= 2, 10, "w0's connector tries again")
+        assert got.empty(), got.queue
+        t1.connect_peers(specs, 10.0)  # w1 knows the group now
+        meta, err = got.get(timeout=10)
+        assert err is None and meta == "late joiner", (meta, err)
+        assert t0.connected_peers() == {1} and t1.connected_peers() == {0}
+    finally:
+        t0.close()
+        t1.close()

@@ -55,8 +55,9 @@ close. The first message to a peer is queued on its channel (the channel's bound
 starts the connection: the lower id connects (on a short-lived connector thread, never the
 caller's), and the higher id asks the lower one to, through the composite's inner
 transport (``connect_wanted`` on the other side). The channel writes its queue once
-admitted, in order. A connection not made within ``CONNECT_TIMEOUT`` (its path unreachable,
-a failed challenge) closes the channel as after a protocol error: what waits on it fails
+admitted, in order. A peer still in its init_rpc is waited for (the connector retries). A
+connection that fails the challenge, or is not made within ``CONNECT_TIMEOUT`` (60 s: its
+path unreachable), closes the channel as after a protocol error: what waits on it fails
 with PeerUnavailable naming the cause, and the composite routes the peer through its inner
 transport from then on (``on_closed``). So a worker's same-host connections grow with the
 peers it talks to. Standalone (no composite), or with ``connect="eager"``, the whole
@@ -112,7 +113,7 @@ from rrefrt_transport.errors import (
 from rrefrt_transport.liveness import LivenessTable
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
-from rrefrt_transport.unix.admit import ACCEPT_GRACE, ADMIT_TIMEOUT, Acceptor, connect_and_admit, host_key
+from rrefrt_transport.unix.admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
 from rrefrt_transport.unix.channel import DEAD, JOINING, QUEUE_BYTES, UP, Channel
 from rrefrt_transport.unix.poller import READ, Bell
 from rrefrt_transport.unix.receiver import LISTEN, Receiver
@@ -131,8 +132,12 @@ def _after_fork() -> None:
 
 os.register_at_fork(after_in_child=_after_fork)
 
-#: NOTE [Lazy same-host connections]: a connection asked for and not made by then is given up
-CONNECT_TIMEOUT = ADMIT_TIMEOUT
+#: NOTE [Lazy same-host connections]: a connection asked for and not made by then is given
+#: up. Long enough for a peer still in its init_rpc: its admission waits for the group
+#: (``connect_peers``), which can come tens of seconds after a fast neighbour's first call
+#: when a hundred workers join on two cores; the connector retries meanwhile
+CONNECT_TIMEOUT = 60.0
+_RETRY = 0.1  #: pause between two attempts of a connector
 
 
 class UnixTransport:
@@ -413,15 +418,29 @@ class UnixTransport:
                 log.info("worker %r could not ask %r to connect: %s", self.name, ch.spec.name, e)
 
     def _connect(self, ch: Channel) -> None:
-        """Connector thread: connect to ``ch``'s peer and pass its admission."""
-        try:
-            sock, limit = connect_and_admit(ch.spec, self.id, self.incarnation, self._own_limit(), self.config.secret,
-                                            CONNECT_TIMEOUT)
-        except TransportError as e:  # AuthenticationFailed included
-            cause = str(e)
-            self._rx.call_soon(lambda: self._not_connected(ch, cause))
+        """Connector thread: connect to ``ch``'s peer and pass its admission, again after a
+        failure other than a failed challenge (the peer's admission dropped a connection
+        that waited for its group past ``ADMIT_TIMEOUT``) until ``CONNECT_TIMEOUT``, while
+        the peer is not judged dead and we do not close."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while True:
+            try:
+                sock, limit = connect_and_admit(ch.spec, self.id, self.incarnation, self._own_limit(),
+                                                self.config.secret, max(0.1, deadline - time.monotonic()))
+            except AuthenticationFailed as e:
+                cause = str(e)
+                self._rx.call_soon(lambda: self._not_connected(ch, cause))
+                return
+            except TransportError as e:
+                if time.monotonic() + _RETRY < deadline and ch.state is JOINING and not self.closing:
+                    self._stats["connect_retries"] += 1
+                    self._closed.wait(_RETRY)  # returns at once when the transport closes
+                    continue
+                cause = str(e)
+                self._rx.call_soon(lambda: self._not_connected(ch, cause))
+                return
+            self._rx.call_soon(lambda: self._admitted(ch.id, sock, limit))
             return
-        self._rx.call_soon(lambda: self._admitted(ch.id, sock, limit))
 
     def _connect_overdue(self, ch: Channel) -> None:
         """Loop thread: the connection asked for ``CONNECT_TIMEOUT`` ago is not there."""
