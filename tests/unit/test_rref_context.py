@@ -556,6 +556,13 @@ def _validate(*ctxs: RRefContext) -> None:
         c.validate()
 
 
+def _drained(*ctxs: RRefContext) -> None:
+    """Every context is consistent and holds nothing any more."""
+    _validate(*ctxs)
+    for c in ctxs:
+        assert c.counts() == ZERO_COUNTS
+
+
 def test_user_delete_does_not_overtake_fork_in_flight() -> None:
     """A (user of B's RRef) sends its fork to C and drops its own object at once. A's
     RREF_USER_DELETE must wait for C's RREF_CHILD_ACCEPT, and B keeps the value meanwhile."""
@@ -599,9 +606,7 @@ def test_user_delete_does_not_overtake_fork_in_flight() -> None:
     assert c.user_dropped(data.fork_id) == [UserDelete(1, rid, data.fork_id)]
     assert b.on_user_delete(rid, data.fork_id) == [Release(orec)]
     c.on_user_delete_ack(data.fork_id)
-    _validate(a, b, c)
-    for x in (a, b, c):
-        assert x.counts() == ZERO_COUNTS
+    _drained(a, b, c)
 
 
 def test_fork_request_before_parent_registered_keeps_placeholder() -> None:
@@ -1145,9 +1150,7 @@ def test_a_fork_request_given_up_before_it_arrived_registers_nothing_later() -> 
     assert a.user_dropped(urec.fork_id) == [UserDelete(1, rid, urec.fork_id)]
     assert b.on_user_delete(rid, urec.fork_id) == [Release(orec)]
     a.on_user_delete_ack(urec.fork_id)
-    _validate(a, b, c)
-    for x in (a, b, c):
-        assert x.counts() == ZERO_COUNTS
+    _drained(a, b, c)
 
 
 def test_a_given_up_fork_with_a_child_pending_goes_once_the_child_accepts() -> None:
@@ -1195,9 +1198,7 @@ def test_an_abandoned_creation_with_a_child_pending_is_deleted_once_the_child_ac
     assert c.user_dropped(data.fork_id) == [UserDelete(1, rid, data.fork_id)]
     assert b.on_user_delete(rid, data.fork_id) == [Release(orec)]
     c.on_user_delete_ack(data.fork_id)
-    _validate(a, b, c)
-    for x in (a, b, c):
-        assert x.counts() == ZERO_COUNTS
+    _drained(a, b, c)
 
 
 def test_child_accepts_to_one_parent_are_batched() -> None:
