@@ -310,6 +310,11 @@ def _rebuild_contiguous(buf: Any, dtype: str, shape: tuple, requires_grad: bool,
         t = torch.empty(shape, dtype=tdtype)
     elif mv.readonly and n <= COPY_FRAMES_BELOW:
         t = torch.frombuffer(bytearray(mv), dtype=tdtype).view(shape)
+    elif type(buf) is bytearray and not mv.readonly:
+        # a frame of its own (NOTE [Small frames own their bytes] in the same-host wire):
+        # the tensor is rebuilt over it, copied only if its start is not aligned for dtype
+        t = torch.frombuffer(buf, dtype=torch.uint8)
+        t = (t if not t.data_ptr() % tdtype.itemsize else t.clone()).view(tdtype).view(shape)
     else:
         return _rebuild_frames(buf, dtype, shape, _contiguous_strides(shape), requires_grad, kind, "cpu")
     return _finish(t, requires_grad, kind) if requires_grad or kind != "tensor" else t
