@@ -169,12 +169,6 @@ _group(
     'TensorPipeAgentDistAutogradTest.test_backward_simple_script_call_sparse',
 )
 _group(
-    'private',
-    'sets the default timeout with rpc._set_rpc_timeout (private) before killing workers',
-    'DistAutogradTest.test_backward_node_failure',
-    'DistAutogradTest.test_backward_node_failure_python_udf',
-)
-_group(
     'never-hang',
     "asserts that backward() is still running after 10 s: torch's FAST mode waits forever for a send function no "
     "gradient reaches (an RPC result the loss does not use); rrefrt's backward returns with the gradients of the graph "
