@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "ShutdownError": "errors",
     "RemoteError": "errors",
     "RemoteSerializationError": "errors",
+    "OperatorSchemaError": "errors",
     "AuthenticationError": "errors",
     "DeviceMapError": "payload.buffers",
 }
@@ -87,6 +88,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     )
     from rrefrt.errors import (
         AuthenticationError,
+        OperatorSchemaError,
         OwnerDiedError,
         RemoteError,
         RemoteSerializationError,

@@ -20,6 +20,7 @@ __all__ = [
     "RRefCreationError",
     "AuthenticationError",
     "ArgumentError",
+    "OperatorSchemaError",
 ]
 
 
@@ -112,6 +113,16 @@ class RemoteSerializationError(RemoteError, SerializationError):
     """The remote worker could not decode what this worker sent it: a module or class that
     does not exist there, or one its unpickling allowlist refuses. Comes back in one round
     trip; ``remote_type`` names the original error (e.g. ``builtins.ModuleNotFoundError``)."""
+
+
+class OperatorSchemaError(RemoteError, TypeError):
+    """A torch operator (``torch.add``, ...) called through RPC with arguments that match
+    none of its schemas. The callee's operator raised ``TypeError``; torch.distributed.rpc
+    raises ``RuntimeError`` with the phrase "Overloaded torch operator invoked from Python
+    failed to match any schema" there, so this is both, its message holds both texts and
+    ``__cause__`` on the callee is the operator's own error."""
+
+    PHRASE = "Overloaded torch operator invoked from Python failed to match any schema"
 
 
 class AuthenticationError(RpcError):

@@ -19,6 +19,7 @@ pattern also has a test of its own that needs nothing extra: tests/compat/test_d
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +42,16 @@ EXAMPLES: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeline", "main.py"),
     "ddp_rpc": ("ddp_rpc", "main.py"),
 }
+
+#: examples whose README starts one process per rank: example -> the arguments of each
+#: (parameter_server: rank 0 the parameter server, two trainers)
+PER_RANK: dict[str, list[list[str]]] = {
+    "parameter_server": [["--world_size=3", f"--rank={r}"] for r in range(3)],
+}
+
+#: examples that download MNIST into ``../data`` (no network here: a small synthetic
+#: MNIST is written there first, in torchvision's raw format, so the download is skipped)
+NEEDS_MNIST = {"parameter_server"}
 
 #: (pattern, replacement) applied to every line of every .py file of the example
 IMPORTS: list[tuple[str, str]] = [
@@ -68,7 +80,23 @@ def swap_imports(text: str) -> tuple[str, int]:
     return "".join(out), changed
 
 
-def run_one(src: Path, script: str, timeout: float) -> tuple[str, str]:
+def fake_mnist(root: Path, train: int = 640, test: int = 320) -> None:
+    """MNIST's four raw files (idx format, random pixels, labels 0-9) under
+    ``root/MNIST/raw``, where torchvision looks before it downloads."""
+    import random
+    import struct
+
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    for prefix, n in (("train", train), ("t10k", test)):
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 0x803, n, 28, 28) + bytes(rng.randrange(256) for _ in range(n * 28 * 28)))
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
+            struct.pack(">II", 0x801, n) + bytes(rng.randrange(10) for _ in range(n)))
+
+
+def run_one(name: str, src: Path, script: str, timeout: float) -> tuple[str, str]:
     with tempfile.TemporaryDirectory(prefix="rrefrt-upstream-") as tmp:
         work = Path(tmp) / src.name
         shutil.copytree(src, work)
@@ -77,25 +105,38 @@ def run_one(src: Path, script: str, timeout: float) -> tuple[str, str]:
             text, n = swap_imports(py.read_text())
             py.write_text(text)
             swapped += n
+        note = ""
+        if name in NEEDS_MNIST and importlib.util.find_spec("torchvision") is not None:
+            fake_mnist(Path(tmp) / "data")
+            note = "; a synthetic MNIST (no network)"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        p = subprocess.Popen([sys.executable, script], cwd=work, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        logs = [Path(tmp) / f"process{i}.log" for i in range(len(PER_RANK.get(name, [[]])))]
+        procs = []
+        for argv, log in zip(PER_RANK.get(name, [[]]), logs):
+            with open(log, "w") as f:  # a file, not a pipe: no process blocks on output nobody reads yet
+                procs.append(subprocess.Popen([sys.executable, script, *argv], cwd=work, env=env, stdout=f,
+                                              stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        codes, deadline = [], time.monotonic() + timeout
         try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # the example's spawned workers share its session
-            out, _ = p.communicate(timeout=10)
-            return "FAIL", f"did not finish in {timeout:.0f} s ({swapped} import lines swapped)\n{out[-3000:]}"
+            for p in procs:
+                try:
+                    codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    out = "\n".join(log.read_text(errors="replace") for log in logs)
+                    return "FAIL", f"did not finish in {timeout:.0f} s ({swapped} import lines swapped)\n{out[-3000:]}"
         finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)  # the example's spawned workers share its session
+                    p.wait(10)
+        out = "\n".join(log.read_text(errors="replace") for log in logs)
         skip = _SKIP.search(out)
         if skip:
             return "skip", skip.group(0)
-        if p.returncode != 0:
-            return "FAIL", f"exit status {p.returncode}\n{out[-3000:]}"
-        return "ok", f"{swapped} import lines swapped"
+        if any(codes):
+            return "FAIL", f"exit status {codes}\n{out[-3000:]}"
+        ranks = f", {len(procs)} processes" if len(procs) > 1 else ""
+        return "ok", f"{swapped} import lines swapped{ranks}{note}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name in names:
         folder, script = EXAMPLES[name]
-        status, detail = run_one(base / folder, script, args.timeout)
+        status, detail = run_one(name, base / folder, script, args.timeout)
         failed += status == "FAIL"
         print(f"{status:4s} {name}: {detail}", flush=True)
     return 1 if failed else 0

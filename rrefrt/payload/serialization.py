@@ -74,10 +74,32 @@ def _load_rref(index: int) -> Any:
     return _tls.rrefs[index]
 
 
+class _OutOfBand:
+    """pickle's ``buffer_callback``. NOTE [Foreign buffers]: only a tensor's bytes (a
+    ``PickleBuffer`` that rrefrt/payload/buffers.py made over a ctypes array that keeps the
+    tensor) leave the stream as a frame of their own; every other out-of-band buffer that
+    protocol 5 offers (a numpy array, any ``__reduce_ex__`` returning a ``PickleBuffer``) is
+    pickled in the stream, as torch's RPC pickles it. Out of band it would be rebuilt over
+    the received frame, read-only on most paths: a numpy array that the callee cannot write
+    to (pytorch/examples' rl example got one per step)."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list) -> None:
+        self.frames = frames
+
+    def __call__(self, pb: pickle.PickleBuffer) -> bool:
+        view = pb.raw().obj  # the memoryview that buffers.py wrapped ...
+        if getattr(getattr(view, "obj", None), "_keep", None) is None:  # ... over its ctypes array
+            return True  # in band
+        self.frames.append(pb)
+        return False
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, out_buffers: list, fork: Callable[[Any], Any] | None,
                  route: buffers.Route) -> None:
-        pickle.Pickler.__init__(self, file, 5, buffer_callback=out_buffers.append)
+        pickle.Pickler.__init__(self, file, 5, buffer_callback=_OutOfBand(out_buffers))
         self._fork = fork
         self._route = route
         self.forks: list[Any] = []

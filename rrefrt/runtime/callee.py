@@ -29,7 +29,7 @@ import rrefrt_transport as transport
 from rrefrt.payload import serialization as ser
 from rrefrt import state, userlog
 from rrefrt.payload.devices import NO_SCOPE
-from rrefrt.errors import RemoteSerializationError, SerializationError, ShutdownError
+from rrefrt.errors import OperatorSchemaError, RemoteSerializationError, SerializationError, ShutdownError
 from rrefrt.functions import is_async_execution, when_future_done
 from rrefrt.pool import PoolExhaustedError
 from rrefrt.protocol.messages import ERROR, OK, Fetch, PythonCall, RemoteRequest, ServeFetch, StackQuery
@@ -199,6 +199,8 @@ class Callee:
                 userlog.warn(_user_log, "On worker %r: %s raised %s\n%s", self.core.info.name,
                              getattr(func, "__qualname__", type(func).__name__), repr(e),
                              "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip())
+                if type(e) is TypeError and _is_torch_operator(func):
+                    e = _schema_error(func, e, self.core.info.name)
             done(None, e)
             return
         if is_async_execution(func):
@@ -311,6 +313,19 @@ def release_frames(exc: BaseException) -> None:
             traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
         seen += 1
+
+
+def _is_torch_operator(func: Any) -> bool:
+    """A torch operator bound in C (``torch.add``, ``torch.mm``; not a Python function of torch's)."""
+    return type(func).__name__ == "builtin_function_or_method" and getattr(func, "__module__", None) == "torch"
+
+
+def _schema_error(func: Any, e: TypeError, worker: str) -> OperatorSchemaError:
+    """What a torch operator's TypeError for arguments matching none of its schemas becomes
+    (``OperatorSchemaError``: torch's RuntimeError phrase and the operator's own text)."""
+    err = OperatorSchemaError(f"{OperatorSchemaError.PHRASE}: {e}", "builtins.TypeError", worker)
+    err.__cause__ = e
+    return err
 
 
 def _run_loop(core: WorkerCore, loop: asyncio.AbstractEventLoop) -> None:

@@ -45,9 +45,24 @@ class Lifecycle:
         #: caller id -> its calls counted in active_calls (shutdown waits for live callers only)
         self.active_from: collections.Counter = collections.Counter()
         self.outgoing_calls = 0  #: calls and fetches sent from here still awaiting an answer
+        #: calls begun or ended here, either way (it only grows): a graceful shutdown that
+        #: waits for the group reads it to see whether the group still uses this worker
+        #: (NOTE [Shutdown while in use] in rrefrt/runtime/shutdown.py)
+        self.call_events = 0
+
+    def in_use(self) -> tuple[int, float | None]:
+        """(``call_events``, the start (monotonic) of the youngest call in flight between
+        this worker and a live peer, either way, or None): what a shutdown waiting for the
+        group looks at between polls (NOTE [Shutdown while in use])."""
+        core = self.core
+        me, alive = core.info.id, core.transport.is_alive
+        starts = [t0 for peer, _f, t0, _t in list(core.inflight.incoming.values()) if peer != me and alive(peer)]
+        starts += [c.t0 for c in list(core.inflight.outgoing.values()) if c.dest != me and alive(c.dest)]
+        return self.call_events, max(starts) if starts else None
 
     def track_call(self, delta: int, src: int) -> None:
         with self._lock:  # twice per call: the bare lock (Condition.__enter__ is Python code)
+            self.call_events += 1
             self.active_calls += delta
             self.active_from[src] += delta
             if self.active_calls == 0 and self._active._waiters:  # type: ignore[attr-defined]
@@ -55,6 +70,7 @@ class Lifecycle:
 
     def track_outgoing(self, delta: int) -> None:
         with self._lock:
+            self.call_events += 1
             self.outgoing_calls += delta
             if self.outgoing_calls == 0 and self._active._waiters:  # type: ignore[attr-defined]
                 self._active.notify_all()

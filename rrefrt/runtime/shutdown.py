@@ -82,16 +82,20 @@ def shutdown_graceful(rt: Runtime, rdzv: Barriers, world_size: int, limit: float
     ``SHUTDOWN_GRACE`` at most; past that it gets a ShutdownError and the runtime is closed
     anyway (the abandoned thread cannot keep the process alive). Returns the error to
     raise, or None."""
-    deadline = time.monotonic() + limit
+    clock = [time.monotonic() + limit]  #: the deadline; NOTE [Shutdown while in use] moves it later
     box: list[BaseException | None] = []
     phase = ["start"]
     t = threading.Thread(
-        target=lambda: box.append(_graceful(rt, rdzv, world_size, deadline, phase)),
+        target=lambda: box.append(_graceful(rt, rdzv, world_size, clock, limit, phase)),
         name=f"rrefrt-{rt.info.name}-shutdown",
         daemon=True,
     )
     t.start()
-    t.join(max(0.0, deadline - time.monotonic()) + SHUTDOWN_GRACE)
+    while not box and t.is_alive():
+        left = clock[0] + SHUTDOWN_GRACE - time.monotonic()
+        if left <= 0:
+            break
+        t.join(left)
     if box:
         return box[0]
     rt.accepting = False
@@ -105,12 +109,14 @@ def shutdown_graceful(rt: Runtime, rdzv: Barriers, world_size: int, limit: float
     )
 
 
-def _graceful(rt: Runtime, rdzv: Barriers, world_size: int, deadline: float, phase: list[str] | None = None) -> BaseException | None:
+def _graceful(rt: Runtime, rdzv: Barriers, world_size: int, clock: list[float], limit: float,
+              phase: list[str] | None = None) -> BaseException | None:
     """The steps; a shutdown that gives up while calls are still in flight here (either
     way: for live or dead callers, or awaiting an answer) names them, with where they are
-    (``format_stuck``; the list in the error's ``stuck_calls``; docs/stuck.md)."""
+    (``format_stuck``; the list in the error's ``stuck_calls``; docs/stuck.md). ``clock[0]``
+    is the deadline, ``limit`` the timeout it was set from."""
     phase = phase if phase is not None else [""]
-    error = _graceful_steps(rt, rdzv, world_size, deadline, phase)
+    error = _graceful_steps(rt, rdzv, world_size, clock, limit, phase)
     if isinstance(error, ShutdownError) and (rt.inflight.incoming or rt.inflight.outgoing):
         phase[0] = "describing the calls still in flight"
         stuck = stuck_calls(rt, STUCK_WAIT)
@@ -121,7 +127,8 @@ def _graceful(rt: Runtime, rdzv: Barriers, world_size: int, deadline: float, pha
     return error
 
 
-def _graceful_steps(rt: Runtime, rdzv: Barriers, world_size: int, deadline: float, phase: list[str]) -> BaseException | None:
+def _graceful_steps(rt: Runtime, rdzv: Barriers, world_size: int, clock: list[float], limit: float,
+                    phase: list[str]) -> BaseException | None:
     me = rt.info.id
     dead = LiveDead(rt.transport.dead_peers)
 
@@ -131,7 +138,7 @@ def _graceful_steps(rt: Runtime, rdzv: Barriers, world_size: int, deadline: floa
     try:
         error: BaseException | None = None
         phase[0] = "enter barrier"
-        missing = rdzv.barrier("enter", me, world_size, deadline, dead)
+        missing, extended = _enter(rt, rdzv, world_size, clock, limit, dead)
         if missing:
             rt.accepting = False
             try:  # NOTE in Rendezvous.barrier: the others must not take this exit for a death
@@ -139,8 +146,11 @@ def _graceful_steps(rt: Runtime, rdzv: Barriers, world_size: int, deadline: floa
             except Exception:
                 pass
             return ShutdownError(
-                f"shutdown of {rt.info.name!r}: worker(s) {names(missing)} never reached shutdown within the timeout"
+                f"shutdown of {rt.info.name!r}: worker(s) {names(missing)} never reached shutdown within the timeout "
+                f"({limit:.1f}s{' since the last call from or to this worker' if extended else ''}; they are alive: "
+                "raise shutdown_timeout, or the timeout argument, if they work that long without calling this worker)"
             )
+        deadline = clock[0]
         phase[0] = "waiting for calls in flight"
         busy = not rt.lifecycle.wait_idle(deadline)
         phase[0] = "releasing RRefs"
@@ -178,6 +188,56 @@ def _graceful_steps(rt: Runtime, rdzv: Barriers, world_size: int, deadline: floa
         return e
     except Exception as e:  # the store died under us (its host left): still close
         return ShutdownError(f"shutdown of {rt.info.name!r} could not complete its barrier: {e}")
+
+
+#: NOTE [Shutdown while in use]: how often the enter barrier looks whether the group still
+#: uses this worker
+IN_USE_POLL = 0.5
+
+
+def _enter(rt: Runtime, rdzv: Barriers, world_size: int, clock: list[float], limit: float,
+           dead: LiveDead) -> tuple[list[int], bool]:
+    """The enter barrier: (the ranks that never arrived, whether the deadline was moved).
+
+    NOTE [Shutdown while in use]: torch programs often call ``shutdown()`` on every worker
+    but one as soon as ``init_rpc`` returns; the workers then serve the one that drives the
+    job (an agent, a master) from inside their shutdown until it finishes and shuts down
+    too (pytorch/examples' rl, parameter servers). torch waits for it without a bound. Here
+    the wait for the others to arrive is bounded by ``limit`` counted from the last sign
+    that the group still uses this worker:
+
+    1. a call between this worker and another began or ended since the last look (polled
+       every ``IN_USE_POLL``);
+    2. a call is in flight between this worker and a live peer (running here, or sent from
+       here and awaiting its answer): it counts for at most ``rpc_timeout`` from its start
+       (``limit`` when calls have no timeout), so a handler stuck for good, or a call to
+       one, holds the shutdown back for a bounded time only.
+
+    So a worker served for an hour waits for an hour; one that nobody calls gives up
+    ``limit`` after its last call; a silent, stuck or deadlocked group still ends the wait
+    in bounded time, and a dead worker at once (``dead``). When the deadline moved, the
+    steps after the barrier get ``limit`` from the moment everyone arrived."""
+    events, _young = rt.lifecycle.in_use()
+    hold = rt.options.rpc_timeout or limit  #: how long a call in flight counts as use (2.)
+    extended = False
+    me = rt.info.id
+    while True:
+        missing = rdzv.barrier("enter", me, world_size, min(clock[0], time.monotonic() + IN_USE_POLL), dead)
+        now = time.monotonic()
+        if not missing:
+            if extended:
+                clock[0] = max(clock[0], now + limit)
+            return [], extended
+        seen, young = rt.lifecycle.in_use()
+        used = now if seen != events else None  # (1.)
+        if young is not None:  # (2.)
+            used = max(used or 0.0, min(now, young + hold))
+        events = seen
+        if used is not None and used + limit > clock[0]:
+            clock[0] = used + limit
+            extended = True
+        elif now >= clock[0]:
+            return missing, extended
 
 
 # ---------------------------------------------------------------------------- calls still in flight

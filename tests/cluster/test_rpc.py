@@ -83,6 +83,23 @@ def test_torch_ops_and_builtins(cluster):
     assert rrefrt.rpc_async("w1", fns.Counter.static_add, args=(2, 3)).wait() == 5
 
 
+def test_a_torch_operator_whose_arguments_match_no_schema_raises_both_types(cluster):
+    """torch raises RuntimeError with its phrase; the operator itself raised TypeError: both."""
+    for call in (lambda: rrefrt.rpc_sync("w1", torch.add, args=()),
+                 lambda: rrefrt.rpc_async("w2", torch.mm, args=(torch.ones(2),)).wait(),
+                 lambda: rrefrt.remote("w1", torch.add, args=("x", None)).to_here()):
+        with pytest.raises(rrefrt.OperatorSchemaError) as e:
+            call()
+        assert isinstance(e.value, TypeError) and isinstance(e.value, RuntimeError)
+        text = str(e.value)
+        assert text.startswith("Overloaded torch operator invoked from Python failed to match any schema: "), text
+        assert "received an invalid combination of arguments" in text or "argument" in text, text
+        assert e.value.remote_type == "builtins.TypeError" and e.value.worker in ("w1", "w2")
+    with pytest.raises(TypeError) as e:  # a Python function's TypeError stays what it was
+        rrefrt.rpc_sync("w1", fns.add, args=(1,))
+    assert type(e.value) is TypeError
+
+
 def test_targets_by_name_rank_and_workerinfo(cluster):
     info = rrefrt.get_worker_info("w2")
     assert info.name == "w2" and info.id == 2 and info == rrefrt.get_worker_info("w2")

@@ -36,19 +36,20 @@ class _Rendezvous:
 def _runtime() -> SimpleNamespace:
     return SimpleNamespace(
         info=SimpleNamespace(id=1, name="w1"), transport=SimpleNamespace(dead_peers=set), workers_by_id={},
-        accepting=True, lifecycle=SimpleNamespace(wait_idle=lambda deadline: True, release_rrefs=lambda deadline: []),
-        ctx=SimpleNamespace(leaks=list), options=SimpleNamespace(strict_rref_leaks=False),
+        accepting=True, lifecycle=SimpleNamespace(wait_idle=lambda deadline: True, release_rrefs=lambda deadline: [],
+                                                  in_use=lambda: (0, False)),
+        ctx=SimpleNamespace(leaks=list), options=SimpleNamespace(strict_rref_leaks=False, rpc_timeout=60.0),
         inflight=SimpleNamespace(incoming={}, outgoing={}),
     )
 
 
 def test_steps_that_end_past_the_deadline_raise():
-    err = _graceful(_runtime(), _Rendezvous(slow=0.05), 2, time.monotonic() + 0.01)
+    err = _graceful(_runtime(), _Rendezvous(slow=0.05), 2, [time.monotonic() + 0.01], 0.01)
     assert isinstance(err, ShutdownError) and "did not complete within its timeout" in str(err), err
 
 
 def test_steps_within_the_deadline_return_no_error():
-    assert _graceful(_runtime(), _Rendezvous(slow=0.0), 2, time.monotonic() + 10) is None
+    assert _graceful(_runtime(), _Rendezvous(slow=0.0), 2, [time.monotonic() + 10], 10) is None
 
 
 def test_a_worker_that_gave_up_its_shutdown_is_missing_not_dead():
@@ -75,3 +76,26 @@ def test_a_worker_that_gave_up_its_shutdown_is_missing_not_dead():
     finally:
         other.close()
         host.close()
+
+
+class _NeverEntered(_Rendezvous):
+    """The other worker never reaches the enter barrier."""
+
+    def barrier(self, phase: str, rank: int, world_size: int, deadline: float, dead: object) -> list[int]:
+        time.sleep(max(0.0, deadline - time.monotonic()))  # (the fake barrier's wait for its deadline)
+        return [0] if phase == "enter" else []
+
+
+def test_a_call_stuck_in_flight_holds_the_shutdown_back_for_its_rpc_timeout_only():
+    """NOTE [Shutdown while in use] (2.): a call that never ends counts as use for
+    rpc_timeout from its start; then the shutdown gives up ``limit`` later."""
+    rt = _runtime()
+    started = time.monotonic()
+    rt.lifecycle.in_use = lambda: (7, started)  # no call event, one call in flight for good
+    rt.options.rpc_timeout = 0.6
+    t0 = time.monotonic()
+    err = _graceful(rt, _NeverEntered(slow=0.0), 2, [t0 + 0.3], 0.3)
+    took = time.monotonic() - t0
+    assert isinstance(err, ShutdownError) and "never reached shutdown" in str(err), err
+    assert "since the last call from or to this worker" in str(err), err
+    assert 0.6 + 0.3 <= took <= 0.6 + 0.3 + 0.5 + 0.5, took  # + one poll + slack

@@ -14,7 +14,6 @@ from __future__ import annotations
 #: cause -> outlook. "being fixed": other work of issue 12 is expected to flip these tests.
 CAUSES: dict[str, str] = {
     "futures-interop": "expected to differ: torch.futures.wait_all exits early only on a C++-level error, which Python cannot set on a torch._C.Future",
-    "error-texts": "open (item 7): torch's phrases inside rrefrt's messages",
     "never-hang": "expected to differ: the test asserts that torch hangs; rrefrt bounds every wait and finishes",
     "torchscript": "expected to differ: rrefrt does not run TorchScript RPC",
     "private": "expected to differ: the test calls private torch.distributed.rpc internals",
@@ -31,11 +30,6 @@ def _group(cause: str, reason: str, *names: str) -> None:
         EXPECTED_TO_DIFFER[name] = (cause, reason)
 
 
-_group(
-    'error-texts',
-    "a torch op with arguments matching no schema: torch raises RuntimeError('Overloaded torch operator invoked from Python failed to match any schema'), rrefrt re-raises the op's TypeError",
-    'TensorPipeAgentRpcTest.test_op_with_invalid_args',
-)
 _group(
     'torchscript',
     'TorchScript RPC: a ScriptFunction cannot be pickled; rrefrt does not run TorchScript calls',
@@ -175,12 +169,6 @@ _group(
     'TensorPipeAgentDistAutogradTest.test_backward_simple_script_call_sparse',
 )
 _group(
-    'private',
-    'sets the default timeout with rpc._set_rpc_timeout (private) before killing workers',
-    'DistAutogradTest.test_backward_node_failure',
-    'DistAutogradTest.test_backward_node_failure_python_udf',
-)
-_group(
     'never-hang',
     "asserts that backward() is still running after 10 s: torch's FAST mode waits forever for a send function no "
     "gradient reaches (an RPC result the loss does not use); rrefrt's backward returns with the gradients of the graph "
@@ -209,6 +197,7 @@ CI_PASSING: list[str] = [
     "RpcTest.test_callback_with_error",
     "RpcTest.test_world_size_one",
     "RpcTest.test_rref_context_debug_info",
+    "TensorPipeAgentRpcTest.test_op_with_invalid_args",
     "TensorPipeAgentRpcTest.test_py_sparse_tensors_in_container",
     # fixed in issue 12: torch.futures interop, Future checks, proxies, RRef helpers, names
     "RpcTest.test_future_wait_twice",

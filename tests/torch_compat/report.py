@@ -23,6 +23,7 @@ FAMILY_OF = {
     "RpcTest": "RpcTest", "TensorPipeAgentRpcTest": "RpcTest",
     "RemoteModuleTest": "RemoteModuleTest", "ThreeWorkersRemoteModuleTest": "RemoteModuleTest",
     "CudaRemoteModuleTest": "RemoteModuleTest",
+    "DistAutogradTest": "DistAutogradTest", "TensorPipeAgentDistAutogradTest": "DistAutogradTest",
 }
 
 

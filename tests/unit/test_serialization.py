@@ -450,3 +450,42 @@ def test_a_torchscript_function_is_refused_at_the_call_site_by_its_name():
 
     with pytest.raises(SerErr, match="TorchScript function '__torch__.*scripted_add_one'"):
         ser_mod.dumps((scripted_add_one, (torch.ones(1),), {}))
+
+
+# ---------------------------------------------------------------------------- foreign buffers
+class _Blob:
+    """An object that offers its bytes out of band (as numpy arrays do under protocol 5)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild_blob, (pickle.PickleBuffer(self.data),))
+
+
+def _rebuild_blob(buf):
+    blob = _Blob(buf)
+    blob.readonly = memoryview(buf).readonly
+    return blob
+
+
+def test_only_tensor_bytes_leave_the_stream_so_other_buffers_arrive_writable():
+    """NOTE [Foreign buffers]: a PickleBuffer that is not a tensor's is pickled in the
+    stream, so it is rebuilt writable (received frames are read-only bytes)."""
+    import torch
+
+    frames, _ = ser.dumps((_Blob(bytearray(b"x" * 100_000)), torch.arange(4.0)))
+    assert len(frames) == 2  # the stream and the tensor's bytes, nothing else
+    blob, t = ser.loads([bytes(f) for f in frames], [])
+    assert blob.readonly is False and bytes(blob.data) == b"x" * 100_000
+    blob.data[0] = 0  # writable, as with torch's RPC pickler
+    assert torch.equal(t, torch.arange(4.0))
+
+
+def test_a_numpy_array_arrives_writable():
+    np = pytest.importorskip("numpy")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    frames, _ = ser.dumps({"state": a})
+    back = ser.loads([bytes(f) for f in frames], [])["state"]
+    assert back.flags.writeable and (back == a).all()
+    back[0, 0] = 7.0
