@@ -66,15 +66,7 @@ def set_unpickle_allowlist(names: Sequence[str] | None) -> None:
 # ---------------------------------------------------------------------------- tensors
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple, requires_grad: bool, kind: str, device: str) -> Any:
     """The previous wire form of a tensor (contiguous, no strides); kept for old payloads."""
-    return buffers._rebuild_frames(buf, dtype, shape, _contiguous_strides(shape), requires_grad, kind, device)
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(1, size)
-    return tuple(reversed(strides))
+    return buffers._rebuild_frames(buf, dtype, shape, buffers._contiguous_strides(shape), requires_grad, kind, device)
 
 
 # ---------------------------------------------------------------------------- rrefs

@@ -188,6 +188,27 @@ def test_rebuild_globals_are_admitted_under_an_allowlist():
     assert buffers.REBUILD_GLOBALS <= ser._INTERNAL_GLOBALS
 
 
+# ---------------------------------------------------------------------------- plain CPU tensors
+def test_a_contiguous_cpu_tensor_takes_the_short_way_and_its_frame_is_checked():
+    """NOTE [Plain CPU tensors]: contiguous CPU tensors reduce to ``_rebuild_contiguous``
+    (no strides on the wire); others keep ``_rebuild_frames``; a frame that does not hold
+    the shape fails decoding with SerializationError."""
+    for t in (torch.rand(3, 4), torch.zeros(0), torch.ones(2, dtype=torch.bool), torch.nn.Parameter(torch.rand(2)),
+              torch.rand(2, 3, requires_grad=True), torch.arange(6, dtype=torch.int16).reshape(2, 3)):
+        fn, args = buffers.reduce_tensor(t, Route("w"))
+        assert fn is buffers._rebuild_contiguous, t
+        back = roundtrip(t)
+        assert type(back) is type(t) and back.requires_grad == t.requires_grad and back.dtype == t.dtype
+        assert torch.equal(back.detach(), t.detach()) and back.is_contiguous()
+    for t in (torch.rand(3, 4).t(), torch.arange(10.0)[2:8:2]):
+        assert buffers.reduce_tensor(t, Route("w"))[0] is buffers._rebuild_frames
+        assert torch.equal(roundtrip(t), t)
+    with pytest.raises(SerializationError, match="does not hold shape"):
+        buffers._rebuild_contiguous(memoryview(bytes(12)), "float32", (2, 2), False, "tensor")
+    with pytest.raises(SerializationError, match="unknown tensor dtype"):
+        buffers._rebuild_contiguous(memoryview(bytes(4)), "Tensor", (1,), False, "tensor")
+
+
 # ---------------------------------------------------------------------------- codec registry
 def test_codec_registry_picks_the_first_that_accepts():
     t = torch.arange(4.0)

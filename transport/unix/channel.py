@@ -286,6 +286,8 @@ class Channel:
             return False
         if len(bufs) == 1 and type(bufs[0]) is bytes and n == len(bufs[0]):
             return True
+        if n == sum([b.nbytes if type(b) is memoryview else len(b) for b in bufs]):
+            return True  # the whole message, in more than one buffer
         rest = _advance([b if type(b) is bytes else memoryview(b).cast("B") for b in bufs], n)
         if rest and n and not self._host.on_loop_thread():
             while rest and (deadline is None or time.monotonic() < deadline) and _writable(sock, _GRACE):

@@ -72,6 +72,8 @@ _LEN = struct.Struct("<Q")
 _PREFIX_1 = struct.Struct("<IHBxQ")  #: the prefix and table of a message with one frame
 #: a frame of at most this many bytes is copied into the message's first buffer by encode
 SMALL_FRAME = 4096
+#: ... and so are the frames of a message with several, if they add up to at most this many
+JOIN_FRAMES = 16384
 FLAG_SHM = 1
 SHM_BIT = 1 << 63
 
@@ -125,7 +127,14 @@ def encode(
         if n <= SMALL_FRAME:  # one buffer: one iovec for sendmsg, one copy of a few bytes
             return [b"".join((head, header, f))]
         return [head + header, f]
-    flags = shm[2] if shm is not None else [False] * len(frames)
+    if shm is None:
+        lens = [len(f) for f in frames]
+        table = b"".join([_LEN.pack(n) for n in lens])
+        head = _PREFIX.pack(len(header), len(frames), 0) + table + header
+        if sum(lens) <= JOIN_FRAMES:  # one buffer, one iovec: a call with a small tensor
+            return [b"".join([head, *frames])]
+        return [head, *(f for f in frames if len(f))]
+    flags = shm[2]
     table = b"".join(_LEN.pack(len(f) | SHM_BIT if s else len(f)) for f, s in zip(frames, flags))
     parts = [_PREFIX.pack(len(header), len(frames), FLAG_SHM if shm else 0), table]
     if shm is not None:
@@ -221,8 +230,21 @@ class Reader:
         meta = (hlen, inline, shm_sizes, seg_id, fd_att)
         if avail - table >= body:
             b0 = s + table
-            raw = bytes(self.view[b0 : b0 + body])
             self.start = b0 + body
+            if not shm_sizes and body < self.BIG:
+                # NOTE [Small frames own their bytes]: the header and the first frame (a
+                # payload's pickle stream) as bytes, each further frame (a tensor's bytes) a
+                # bytearray of its own: writable and aligned, so a tensor is rebuilt over it
+                # without another copy; one copy out of the read buffer per frame, no slices
+                view = self.view
+                f0 = b0 + hlen
+                frames: list[Any] = []
+                for n in inline:
+                    frames.append(bytes(view[f0 : f0 + n]) if not frames else bytearray(view[f0 : f0 + n]))
+                    f0 += n
+                out.append(Incoming(bytes(view[b0 : b0 + hlen]), frames))
+                return True
+            raw = bytes(self.view[b0 : b0 + body])
             out.append(self._cut(raw, meta))
             return True
         if body + table <= len(self.buf) - s or body < self.BIG:
