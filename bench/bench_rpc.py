@@ -12,6 +12,7 @@ one warm-up group per backend runs first and is thrown away, rounds interleave t
 (order rotated per round) and ratios are paired per round. See bench/README.md.
 """
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -120,12 +121,29 @@ def default_pycache():
         Path(tempfile.gettempdir()) / f"rrefrt-bench-pycache-{os.getuid()}")
 
 
+def transport_shim(root):
+    """A directory where ``rrefrt_transport`` is ``root``'s transport/ (the installed
+    package name of a source tree's transport), so that a tree's rrefrt and its transport
+    are imported together; None if ``root`` has no transport/."""
+    src = Path(root) / "transport"
+    if not src.is_dir():
+        return None
+    tag = hashlib.sha1(str(src.resolve()).encode()).hexdigest()[:12]
+    shim = Path(tempfile.gettempdir()) / f"rrefrt-bench-shim-{tag}"
+    shim.mkdir(exist_ok=True)
+    link = shim / "rrefrt_transport"
+    if not link.exists():
+        link.symlink_to(src.resolve(), target_is_directory=True)
+    return str(shim)
+
+
 def worker_env(backend, port, pycache):
-    # rrefrt-base: rrefrt imported from the tree $RREFRT_BENCH_BASE (e.g. `git archive` of an
-    # older commit) to measure before/after in one interleaved run
+    # rrefrt-base: rrefrt and its transport imported from the tree $RREFRT_BENCH_BASE (e.g.
+    # `git archive` of an older commit) to measure before/after in one interleaved run
     root = os.environ.get("RREFRT_BENCH_BASE", "") if backend == "rrefrt-base" else str(ROOT)
+    shim = transport_shim(root) if backend == "rrefrt-base" and root else None
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPYCACHEPREFIX=pycache,
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [root, shim, os.environ.get("PYTHONPATH")])))
     # bytecode comes from the cache filled before the run; what is missing there is written
     # once (PYTHONDONTWRITEBYTECODE would make every worker compile it at every start)
     for k in ("RREFRT_SECRET", "RREFRT_SAME_HOST", "RREFRT_NO_IPC", "PYTHONDONTWRITEBYTECODE"):
@@ -140,7 +158,7 @@ def precompile(pycache, backends):
     import importlib.util
     dirs = [ROOT / "rrefrt", BENCH]
     if "rrefrt-base" in backends and os.environ.get("RREFRT_BENCH_BASE"):
-        dirs.append(Path(os.environ["RREFRT_BENCH_BASE"]) / "rrefrt")
+        dirs += [Path(os.environ["RREFRT_BENCH_BASE"]) / "rrefrt", Path(os.environ["RREFRT_BENCH_BASE"]) / "transport"]
     for pkg, subs in (("rrefrt_transport", [""]), ("torch", ["distributed/rpc", "distributed/autograd"])):
         spec = importlib.util.find_spec(pkg)  # a top-level package: found, not imported
         if spec and spec.submodule_search_locations:
