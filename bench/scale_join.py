@@ -82,9 +82,19 @@ def drive(sizes: list[int], burners: int = 0, repeat: int = 1) -> int:
               f"init {stat('init_s')} s, fds after init {stat('fds_init')}, after calls {stat('fds_calls')}, "
               f"data pipes after init {stat('pipes_init')}, after calls {stat('pipes_calls')}", flush=True)
         if proc.returncode:
-            print(proc.stderr[-1500:], flush=True)
+            print(failure_paragraph(proc.stderr), flush=True)
     print(f"{failed} of {len(sizes) * repeat} jobs failed")
     return 1 if failed else 0
+
+
+def failure_paragraph(stderr: str, limit: int = 6000) -> str:
+    """The launcher's "job failed" report (the failing rank, how it ended, its output's
+    tail, every worker's outcome) rather than the last lines of stderr, which are the
+    launcher stopping the other workers; the tail when there is no such report."""
+    start = stderr.find("rrefrt-run: job failed")
+    if start < 0:
+        return stderr[-1500:]
+    return stderr[start : start + limit]
 
 
 if __name__ == "__main__":
