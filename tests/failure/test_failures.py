@@ -625,7 +625,7 @@ def test_rpc_async_returns_at_once_while_a_same_host_peer_holds_its_gil(group, t
     for i, fut in enumerate(futs):
         try:
             fut.wait()
-            answered.append(i)  # w1 read it before its stall took hold (a few microseconds' window)
+            answered.append(i)  # w1 read it before its stall took hold (see hold_gil's marker)
         except rrefrt.RpcTimeoutError as e:
             assert "'w1'" in str(e), e
     poll_for(lambda: len(failed_at) == n, 5, "every future's callback ran")

@@ -119,14 +119,17 @@ def hold_gil(seconds: float, started: str = "") -> float:
     """A handler that holds the GIL for ``seconds`` in one C call (poll(2) through
     ctypes.PyDLL, which keeps the GIL): no Python thread of this process - the I/O thread
     included - runs meanwhile; only libzmq's own threads do. ``started``, if given, is a file
-    created just before the call, so a caller can wait until the stall has begun."""
+    created just before the call, so a caller can wait until the stall has begun. It is
+    created and closed through PyDLL too: ``open(...).close()`` released the GIL in its
+    syscalls after the file existed, and in that window another thread of this process could
+    take the GIL and answer a call or two that the caller had sent on seeing the file."""
     import ctypes
 
-    poll = ctypes.PyDLL(None).poll
+    libc = ctypes.PyDLL(None)
     if started:
-        open(started, "w").close()
+        libc.close(libc.creat(started.encode(), 0o600))  # the GIL is kept from here on
     t0 = time.monotonic()
-    poll(None, 0, int(seconds * 1000))
+    libc.poll(None, 0, int(seconds * 1000))
     return time.monotonic() - t0
 
 
