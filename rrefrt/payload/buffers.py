@@ -226,14 +226,9 @@ class FramesCodec:
             return self.encode(tensor, route, "cpu")
         data = tensor.detach()
         nbytes = data.nbytes
-        buf: Any = b""
-        if nbytes:
-            arr = (ctypes.c_char * nbytes).from_address(data.data_ptr())
-            arr._keep = data  # type: ignore[attr-defined]  # alive until the frame is sent
-            buf = memoryview(arr)
         kind = "tensor" if type(tensor) is torchimport.torch_module().Tensor else _kind(tensor)
         return (_rebuild_contiguous,
-                (pickle.PickleBuffer(buf), _dtype_name(data.dtype), tuple(data.shape), tensor.requires_grad, kind))
+                (tensor_bytes(data, nbytes), _dtype_name(data.dtype), tuple(data.shape), tensor.requires_grad, kind))
 
     def encode(self, tensor: Any, route: Route, device: str) -> tuple[Callable[..., Any], tuple]:
         data = tensor.detach()
@@ -248,16 +243,27 @@ class FramesCodec:
             data = data.contiguous()
             span = data.numel()
         nbytes = span * data.element_size()
-        buf: Any = b""
-        if nbytes:
-            arr = (ctypes.c_char * nbytes).from_address(data.data_ptr())
-            arr._keep = data  # type: ignore[attr-defined]  # alive until the frame is sent
-            buf = memoryview(arr)
         return (
             _rebuild_frames,
-            (pickle.PickleBuffer(buf), _dtype_name(data.dtype), tuple(data.shape), tuple(data.stride()),
+            (tensor_bytes(data, nbytes), _dtype_name(data.dtype), tuple(data.shape), tuple(data.stride()),
              tensor.requires_grad, _kind(tensor), device),
         )
+
+
+def tensor_bytes(data: Any, nbytes: int) -> pickle.PickleBuffer:
+    """The first ``nbytes`` of CPU tensor ``data``'s memory as an out-of-band buffer, without
+    a copy: a ctypes array over them that keeps ``data`` alive until the frame is sent
+    (``is_tensor_bytes`` tells such a buffer from any other)."""
+    if not nbytes:
+        return pickle.PickleBuffer(b"")
+    arr = (ctypes.c_char * nbytes).from_address(data.data_ptr())
+    arr._keep = data  # type: ignore[attr-defined]
+    return pickle.PickleBuffer(memoryview(arr))
+
+
+def is_tensor_bytes(pb: pickle.PickleBuffer) -> bool:
+    """Whether ``pb`` came from ``tensor_bytes`` (NOTE [Foreign buffers] in serialization)."""
+    return getattr(getattr(pb.raw().obj, "obj", None), "_keep", None) is not None
 
 
 def _rebuild_frames(buf: Any, dtype: str, shape: tuple, strides: tuple, requires_grad: bool, kind: str,

@@ -89,8 +89,7 @@ class _OutOfBand:
         self.frames = frames
 
     def __call__(self, pb: pickle.PickleBuffer) -> bool:
-        view = pb.raw().obj  # the memoryview that buffers.py wrapped ...
-        if getattr(getattr(view, "obj", None), "_keep", None) is None:  # ... over its ctypes array
+        if not buffers.is_tensor_bytes(pb):
             return True  # in band
         self.frames.append(pb)
         return False
