@@ -56,7 +56,7 @@ def test_a_rendezvous_that_cannot_form_says_who_is_awaited_where_within_seconds(
     naming the address, and fails at its init_timeout."""
     rpc_port = free_port()
     t0 = time.monotonic()
-    procs.append(_start(3, free_port(), rpc_port, INIT_TIMEOUT="12"))
+    procs.append(_start(3, free_port(), rpc_port, INIT_TIMEOUT="7"))
     [(code, res, text)] = finish_processes(procs, 120)
     assert code != 0 and res is None, text[-3000:]
     assert f"localhost:{rpc_port}" in text and "has waited" in text, text[-3000:]

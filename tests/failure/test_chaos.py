@@ -16,7 +16,7 @@ import pytest
 from tests.support.chaos import OPTIONS, check, run_one
 from tests.support import Workers, free_port, poll_for
 
-SEEDS = range(int(os.environ.get("RREFRT_CHAOS_RUNS", "24")))
+SEEDS = range(int(os.environ.get("RREFRT_CHAOS_RUNS", "16")))
 
 
 @pytest.mark.timeout(60)

@@ -61,7 +61,7 @@ def plan_for(seed: int, rank: int) -> Any:
     return faults.FaultPlan(rules, seed=seed * 7 + rank, control_retry_interval=0.1)
 
 
-#: the disruption of a run, by seed % 8 (a CI run of 24 seeds has 9 none, 6 kill, 3 of each other)
+#: the disruption of a run, by seed % 8 (a CI run of 16 seeds has 6 none, 4 kill, 2 of each other)
 KINDS = ["none", "none", "kill", "stop", "none", "stop_near", "kill", "large"]
 #: "stop_near": SIGSTOP for this multiple of heartbeat_timeout, then SIGCONT (just under / over)
 NEAR = [0.8, 0.95, 1.05, 1.25]

@@ -240,9 +240,10 @@ CI_PASSING: list[str] = [
     "RpcTest.test_wait_all_workers_twice_dense",
     "RpcTest.test_get_worker_infos",
     "TensorPipeAgentRpcTest.test_set_and_get_num_worker_threads",
-    # a process group on a file store beside RPC on tcp://: static and dynamic members meet
-    # at RPC's address (the rendezvous's store choice)
-    "TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together",
+    # (not here: TensorPipeAgentRpcTest.test_dynamic_and_static_init_rpc_together passes
+    # only when rank 3 reaches the store before ranks 0-2, which leave right after their
+    # barrier without a shutdown, exit: once rank 0 is gone its store is too, and rank 3
+    # hosts a group of its own or waits for one - a race of the test, on any agent)
     "RemoteModuleTest.test_bad_module",
     "RemoteModuleTest.test_train_eval",
     "RemoteModuleTest.test_unsupported_methods",

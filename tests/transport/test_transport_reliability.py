@@ -264,10 +264,11 @@ def test_a_peer_stopped_past_the_timeout_is_dead_for_all_and_fails_fast_after_it
 # ---------------------------------------------------------------------------- close at scale
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-# CI runs one round of each; `python scripts/zmq_close_campaign.py` is the campaign. The
+# CI runs one round of 64 workers (the larger size covers the smaller: the abort came with
+# many peers closing at once); `python scripts/zmq_close_campaign.py` is the campaign. The
 # flood starts once every worker joined and the join timeout grows with the mesh (the
-# campaign's docstring): a 2-core machine under load carries both sizes.
-@pytest.mark.parametrize("workers,rounds", [(32, 1), (64, 1)])
+# campaign's docstring): a 2-core machine under load carries it.
+@pytest.mark.parametrize("workers,rounds", [(64, 1)])
 def test_many_workers_closing_at_once_never_abort(workers: int, rounds: int) -> None:
     """Issue 11 item 2: libzmq aborted (``Assertion failed: !_io_error``) in Context.term()
     when many peers closed at once (NOTE [Close] in rrefrt_transport.zmq.agent)."""

@@ -532,7 +532,7 @@ class RRefProtocolMachine(RuleBasedStateMachine):
 
 TestRRefProtocol = RRefProtocolMachine.TestCase
 TestRRefProtocol.settings = settings(
-    max_examples=300,
+    max_examples=150,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
