@@ -77,8 +77,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     names = ",".join(p.values[0] for p in PARAMS)
     env = env_for({"DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": "60" if FULL else "30"})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.torch_compat.run_all", "--names", names, "--out", str(out),
-         "--jobs", "1" if FULL else "2"],
+        [sys.executable, "-m", "tests.torch_compat.run_all", "--names", names, "--out", str(out)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
