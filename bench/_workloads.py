@@ -286,7 +286,7 @@ def backend_options(rpc, backend, port):
     """torch (TensorPipe at its best: shm and cma channels on one host), torch-tcp (TensorPipe
     forced to TCP), rrefrt (defaults), rrefrt-secret (a job secret, as rrefrt-run sets on one
     node), rrefrt-tcp (same-host paths off: tcp only); the last two differ by environment."""
-    init = f"tcp://127.0.0.1:{port}"
+    init = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"  # --netns: rank 0's veth address
     if backend.startswith("torch"):
         kw = dict(_transports=["uv"], _channels=["basic"]) if backend == "torch-tcp" else {}
         return rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120, init_method=init, **kw)

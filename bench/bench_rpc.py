@@ -77,6 +77,47 @@ SUMMARY = [
 UNITS = {m[0]: m[2] for m in _workloads.METRICS}
 
 
+#: --netns: [(namespace, veth device, address)] for rank 0 and rank 1, while they exist
+NETNS: list[tuple[str, str, str]] = []
+NETNS_ADDRS = ("10.231.0.1", "10.231.0.2")
+
+
+def _ip(*args):
+    res = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    if res.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {res.stderr.strip()}")
+
+
+def make_netns():
+    """Two network namespaces joined by a veth pair (10.231.0.1 and .2 /24), the closest this
+    machine has to two hosts: traffic between them crosses a network device and the kernel's
+    whole TCP/IP path, not loopback. Needs root and iproute2; removed by ``drop_netns``."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        raise SystemExit("--netns needs the 'ip' tool (iproute2) and root (to create network namespaces)")
+    tag = os.getpid() % 100000
+    names, devs = (f"rrbenchA{tag}", f"rrbenchB{tag}"), (f"rrba{tag}", f"rrbb{tag}")
+    try:
+        for ns in names:
+            _ip("netns", "add", ns)
+            NETNS.append((ns, "", ""))
+        _ip("link", "add", devs[0], "type", "veth", "peer", "name", devs[1])
+        for i, (ns, dev, addr) in enumerate(zip(names, devs, NETNS_ADDRS)):
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            NETNS[i] = (ns, dev, addr)
+    except BaseException:
+        drop_netns()
+        raise
+
+
+def drop_netns():
+    for ns, _, _ in NETNS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)  # its veth end goes too
+    NETNS.clear()
+
+
 def free_port():
     """A port nothing listens on, picked at random below the kernel's ephemeral range (a
     ``bind(0)`` port is ephemeral: another process's outgoing connection may take it before
@@ -190,8 +231,13 @@ def run_backend(backend, group, params, timeout, pycache, only=None):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", backend, "--rank", str(rank),
                "--port", str(port), "--out", str(out), "--group", group, "--params", params] \
             + (["--workloads", only] if only else [])
+        rank_env = env
+        if NETNS:  # rank r in namespace r; TensorPipe's uv transport picks its device by name
+            ns, dev, _ = NETNS[rank]
+            cmd = ["ip", "netns", "exec", ns, *cmd]
+            rank_env = dict(env, MASTER_ADDR=NETNS[0][2], TP_SOCKET_IFNAME=dev, GLOO_SOCKET_IFNAME=dev)
         with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True))
         logs.append(log)
 
@@ -402,6 +448,10 @@ def main():
                     help="bytecode cache for the workers (PYTHONPYCACHEPREFIX; default: $PYTHONPYCACHEPREFIX "
                          "or rrefrt-bench-pycache-<uid> in the temp dir)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up group per backend")
+    ap.add_argument("--netns", action="store_true",
+                    help="run the 2 point-to-point workers in two network namespaces joined by a veth pair "
+                         "(root): the tcp variants between two 'hosts' (default backends torch-tcp,rrefrt-tcp; "
+                         "groups p2p only)")
     ap.add_argument("--details", action="store_true",
                     help="also print every metric of every backend (always with rrefrt-base)")
     ap.add_argument("--worker", metavar="BACKEND", help=argparse.SUPPRESS)
@@ -420,6 +470,11 @@ def main():
         return 0
 
     default_backends = "torch,rrefrt" if args.quick else ",".join(ALL_BACKENDS)
+    if args.netns:
+        default_backends = "torch-tcp,rrefrt-tcp"
+        if args.groups not in (None, "p2p"):
+            ap.error("--netns runs the p2p group only (one worker per namespace)")
+        args.groups = "p2p"
     backends = [b.strip() for b in (args.backends or default_backends).split(",") if b.strip()]
     groups = [g.strip() for g in (args.groups or ",".join(DEFAULT_GROUPS)).split(",") if g.strip()]
     unknown = [g for g in groups if g not in GROUPS or g == "warm"]
@@ -438,7 +493,19 @@ def main():
     if repeat < 3 and not args.quick:
         print("!! fewer than 3 rounds: not for quoting")
     precompile(pycache, backends)
+    if args.netns:
+        make_netns()
+        print(f"network namespaces: rank 0 in {NETNS[0][0]} ({NETNS[0][2]}), rank 1 in {NETNS[1][0]} "
+              f"({NETNS[1][2]}), one veth pair between them", flush=True)
+        try:
+            return _measure(args, backends, groups, todo, repeat, params, pycache, ncpu)
+        finally:
+            drop_netns()
+    return _measure(args, backends, groups, todo, repeat, params, pycache, ncpu)
 
+
+def _measure(args, backends, groups, todo, repeat, params, pycache, ncpu):
+    """The warm-up groups, the interleaved rounds and the report (main's second half)."""
     problems, compiled = {}, {}
     settle = args.settle if args.settle is not None else (0.0 if args.quick else 0.5)
     if not args.no_warmup:  # imports and first calls of each backend once, results thrown away
@@ -488,7 +555,8 @@ def main():
           "p50 on the tensor rows (the tcp rows: torch-tcp's). CPU/call: user+sys time of every worker of "
           "the group (caller and callees, every thread) over the measured calls, divided by the calls; "
           "medians, and their paired ratio.")
-    print("workers: " + "; ".join(placement(g, ncpu) for g in groups) + " (rank r pinned to core r mod cores).")
+    print("workers: " + "; ".join(placement(g, ncpu) for g in groups) + " (rank r pinned to core r mod cores)"
+          + (", each rank in a network namespace of its own, joined by a veth pair." if NETNS else "."))
     if {"rrefrt-secret", "rrefrt-tcp"} & set(backends):
         print("job secret: rrefrt with RREFRT_SECRET against plain torch (torch has none). tcp only: rrefrt with "
               "RREFRT_SAME_HOST=0 RREFRT_NO_IPC=1 against TensorPipe with _transports=['uv'], _channels=['basic'].")

@@ -90,3 +90,13 @@ def test_bench_plan_and_placement(bench_rpc):
     assert bench_rpc.placement("p2p", 2) == "p2p: 2 workers on 2 cores, one core each"
     assert "w2 shares core 0 with w0" in bench_rpc.placement("forks", 2)
     assert bench_rpc.placement("forks", 4).endswith("one core each")
+
+
+def test_netns_runs_the_point_to_point_group_only():
+    """``--netns`` puts one worker in each of two namespaces: any other group is refused
+    before anything is started (no namespace is made)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_rpc.py"), "--netns", "--groups", "forks"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "--netns runs the p2p group only" in proc.stderr, proc.stderr[-2000:]
