@@ -1,6 +1,6 @@
 """remote() creation: both ends of PYTHON_REMOTE, and nothing else.
 
-Owns: on the owner, the creations not yet answered (``accepts``), their accept timer and the
+Owns: on the owner, the creations not yet answered (``accepts``), their accept sweep and the
 handling of duplicates; on the creator, the sending of the creation, the to_here() calls
 parked on its answer and the plain value it carried (``Creation``, NOTE [Inline creation
 values]), the fetches waiting for an unconfirmed creation (``fetches``), and the loss of a
@@ -17,10 +17,12 @@ NOTE [Creation acks]
        and starts the function on the pool. It does not answer at once: the answer waits up
        to ``ACCEPT_DELAY_S`` for the value, so a quick creation costs one message back,
        ``[status, [], 1]`` - accepted and done, with the error as payload if it failed.
-    2. If the value takes longer, the accept timer answers ``[OK, [], 0]`` (accepted only,
+    2. If the value takes longer, the accept sweep answers ``[OK, [], 0]`` (accepted only,
        which stops the creator's retries) and the result follows later as a REMOTE_RET
        (itself retried until acknowledged). Whoever pops ``accepts`` first answers: the
-       finished call or the timer, never both.
+       finished call or the sweep, never both. The sweep is one transport timer for all
+       creations, armed while any waits and due when the oldest is: quick creations
+       (answered by their call) set no timer of their own, so they wake no thread later.
     3. A duplicate (a retry whose first copy arrived, or a duplicated message) never runs the
        function twice (``RRefContext.on_remote_request`` returns None). It is answered at
        once: done with the result if the value exists, accepted otherwise; its pending
@@ -135,9 +137,13 @@ class CreationTracker:
         #: fork id -> cell of every remote() made here whose RRef object (or unanswered
         #: creation) still exists; entries leave with the cell (creator side)
         self.creating: weakref.WeakValueDictionary[ForkId, Creation] = weakref.WeakValueDictionary()
-        #: rref id -> (creator, msg_id): creations delivered here and not yet answered;
-        #: popped by whoever answers first, the finished call or the accept timer (owner side)
-        self.accepts: dict[Any, tuple[int, int]] = {}
+        #: rref id -> (creator, msg_id, when the accept is due): creations delivered here and
+        #: not yet answered, in arrival order; popped by whoever answers first, the finished
+        #: call or the accept sweep (owner side; NOTE [Creation acks] 2)
+        self.accepts: dict[Any, tuple[int, int, float]] = {}
+        #: one accept sweep is scheduled on the transport's timers (under ``_sweep_lock``)
+        self._sweep_armed = False
+        self._sweep_lock = threading.Lock()
         #: fork id -> to_here futures of a not yet confirmed remote(), failed if it is lost
         #: (creator side; removed by their answer, ``forget_fetch``); under ``_lock``
         self.fetches: dict[ForkId, list[Future[Any]]] = {}
@@ -348,15 +354,32 @@ class CreationTracker:
                 self.replies.respond(src, msg_id, Response(OK, (), False).meta(True), [], msg)  # accepted (again)
             core.stats["duplicate_calls_dropped"] += 1
             return None
-        self.accepts[rec.rref_id] = (src, msg_id)
-        core.transport.call_later(ACCEPT_DELAY_S, lambda rid=rec.rref_id: self._accept_now(rid))
+        self.accepts[rec.rref_id] = (src, msg_id, time.monotonic() + ACCEPT_DELAY_S)
+        with self._sweep_lock:
+            if not self._sweep_armed:
+                self._sweep_armed = True
+                core.transport.call_later(ACCEPT_DELAY_S, self._sweep_accepts)
         return rec
 
-    def _accept_now(self, rref_id: Any) -> None:
-        """Transport thread timer: the value is taking a while, accept its creation now."""
-        accept = self.accepts.pop(rref_id, None)
-        if accept is not None:
-            self.replies.respond(accept[0], accept[1], Response(OK, (), False).meta(True), [], RemoteRequest)
+    def _sweep_accepts(self) -> None:
+        """Transport thread timer: accept every creation whose value has taken longer than
+        ``ACCEPT_DELAY_S``, and sleep until the next one is due. One timer for all of them:
+        a timer per creation woke the transport's thread once per quick remote() (each
+        timer fires 50 ms after its creation, long after the creation was answered)."""
+        now = time.monotonic()
+        try:
+            for rref_id, (_, _, due) in self.accepts.copy().items():  # arrival order = due order
+                if due > now:
+                    break
+                accept = self.accepts.pop(rref_id, None)
+                if accept is not None:
+                    self.replies.respond(accept[0], accept[1], Response(OK, (), False).meta(True), [], RemoteRequest)
+        finally:
+            with self._sweep_lock:  # on_request adds before it looks at the flag: nothing is missed
+                nxt = next(iter(self.accepts.copy().values()), None)
+                self._sweep_armed = nxt is not None
+                if nxt is not None:
+                    self.core.transport.call_later(max(0.0, nxt[2] - time.monotonic()), self._sweep_accepts)
 
     def finished(self, rec: OwnerRecord, creator: int, exc: BaseException | None) -> None:
         """Pool thread: the creating function finished; answer the creator (NOTE

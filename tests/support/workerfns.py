@@ -415,3 +415,12 @@ def burst_then_report(dest: str, n: int) -> dict:
     futs = [rrefrt.rpc_async(dest, arrive, args=(i,)) for i in range(n)]
     got = [f.wait() for f in futs]
     return {"results": got, "seen": rrefrt.rpc_sync(dest, arrivals), "mine": same_host_connections()}
+
+
+def creation_timers() -> int:
+    """Timers of this worker's same-host transport that serve remote() creations (the
+    owner's accept timers, NOTE [Creation acks] 2 in rrefrt/runtime/creation.py)."""
+    timers = rrefrt.state.current().transport.local._timers
+    with timers._lock:
+        fns = [entry[2] for entry in timers._heap]
+    return sum("CreationTracker" in getattr(fn, "__qualname__", "") for fn in fns)
