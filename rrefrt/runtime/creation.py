@@ -63,6 +63,8 @@ NOTE [Inline creation values]
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -94,9 +96,9 @@ UNKNOWN: Any = object()
 
 class Parked:
     """A to_here() waiting for its creation's first answer (NOTE [Inline creation values] 2).
-    Its references are dropped once it is released (answer, timer or loss): the transport's
-    timer keeps this object until its deadline, and must not keep the RRef, the future or
-    the cell (a value of up to 64 KiB) that long."""
+    Its references are dropped once it is released (answer, deadline or loss): the
+    tracker's deadline heap may keep this object until its deadline, and must not keep the
+    RRef, the future or the cell (a value of up to 64 KiB) that long."""
 
     __slots__ = ("rref", "fut", "deadline", "cell")
 
@@ -148,6 +150,14 @@ class CreationTracker:
         #: (creator side; removed by their answer, ``forget_fetch``); under ``_lock``
         self.fetches: dict[ForkId, list[Future[Any]]] = {}
         self._lock = threading.Lock()
+        #: parked to_here() calls with a deadline, as a heap of (deadline, seq, timeout, Parked);
+        #: released ones leave when they reach its top (creator side; under ``_lock``)
+        self._deadlines: list[tuple[float, int, float, Parked]] = []
+        self._seq = itertools.count()
+        #: when the deadline sweep is due, None when none is scheduled, and the token of that
+        #: sweep (an earlier deadline schedules another; the one it replaced stops) (under ``_lock``)
+        self._sweep_due: float | None = None
+        self._sweep_token = 0
 
     # ------------------------------------------------------------------ creator side
     def new(self, fork_id: ForkId) -> Creation:
@@ -234,16 +244,54 @@ class CreationTracker:
             if cell.waiters is None:
                 return False
             cell.waiters.append(p)
-        if timeout > 0:
+            if p.deadline is None:
+                return True
+            heap = self._deadlines
+            while heap and heap[0][3].cell is None:  # released long ago: no timer needed for them
+                heapq.heappop(heap)
+            heapq.heappush(heap, (p.deadline, next(self._seq), timeout, p))
+            arm = self._sweep_due is None or p.deadline < self._sweep_due
+            if arm:  # the sweep scheduled before this one (a later one) stops re-arming
+                self._sweep_due = p.deadline
+                self._sweep_token += 1
+                token = self._sweep_token
+        if arm:
             try:
-                self.core.transport.call_later(timeout, lambda: self._expire(p, timeout))  # p only
+                self.core.transport.call_later(timeout, lambda: self._sweep_deadlines(token))
             except Exception:  # a closed transport: unpark, the fetch path raises typed
                 with self._lock:
+                    self._sweep_due = None
                     if cell.waiters is not None and p in cell.waiters:
                         cell.waiters.remove(p)
                         return False
                 return True  # released meanwhile
         return True
+
+    def _sweep_deadlines(self, token: int) -> None:
+        """Transport timer: expire the parked to_here() calls whose deadline passed, and
+        sleep until the next live one's. One timer for all of them: a timer per to_here()
+        woke the transport's thread at every call's deadline, long after most of them were
+        answered."""
+        now = time.monotonic()
+        due: list[tuple[float, Parked]] = []
+        with self._lock:
+            heap = self._deadlines
+            while heap and (heap[0][0] <= now or heap[0][3].cell is None):
+                _, _, timeout, p = heapq.heappop(heap)
+                if p.cell is not None:
+                    due.append((timeout, p))
+            nxt = None
+            if token == self._sweep_token:  # the one scheduled sweep: it schedules the next
+                self._sweep_due = nxt = heap[0][0] if heap else None
+                if nxt is not None:
+                    self._sweep_token += 1
+                    token = self._sweep_token
+        try:
+            for timeout, p in due:
+                self._expire(p, timeout)
+        finally:
+            if nxt is not None:
+                self.core.transport.call_later(max(0.0, nxt - time.monotonic()), lambda: self._sweep_deadlines(token))
 
     def _take(self, cell: Creation) -> list[Parked]:
         with self._lock:

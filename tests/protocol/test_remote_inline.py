@@ -220,12 +220,15 @@ def test_remote_to_here_one_message_each_way_and_bounded_waits() -> None:
 def test_quick_creations_leave_no_timer_behind_on_the_owner(group) -> None:
     """NOTE [Creation acks] 2: the owner's accept timer is one sweep for all creations, not
     one timer per remote() (each of which woke its transport's thread 50 ms later, long
-    after the quick creation was answered); a slow creation is still accepted in time."""
+    after the quick creation was answered); a slow creation is still accepted in time. The
+    same on the creator: the deadlines of to_here() calls parked on their creation's answer
+    are one sweep, not a timer per call that fired at its deadline (60 s later)."""
     group(2)
     assert rrefrt.state.current().transport.uses_same_host_path(1), "the test reads the unix transport's timers"
     for i in range(300):
-        assert rrefrt.remote("w1", fns.add, args=(i, 1)).to_here() == i + 1
+        assert rrefrt.remote("w1", fns.add, args=(i, 1)).to_here(timeout=30) == i + 1
     assert rrefrt.rpc_sync("w1", fns.creation_timers) <= 1
+    assert fns.creation_timers() <= 1
     slow = rrefrt.remote("w1", time.sleep, args=(0.3,))
     assert slow.to_here(timeout=10) is None
     assert rrefrt.rpc_sync("w1", fns.creation_timers) <= 1
