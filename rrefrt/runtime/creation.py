@@ -257,7 +257,8 @@ class CreationTracker:
                 token = self._sweep_token
         if arm:
             try:
-                self.core.transport.call_later(timeout, lambda: self._sweep_deadlines(token))
+                planned = p.deadline
+                self.core.transport.call_later(timeout, lambda: self._sweep_deadlines(token, planned))
             except Exception:  # a closed transport: unpark, the fetch path raises typed
                 with self._lock:
                     self._sweep_due = None
@@ -267,16 +268,16 @@ class CreationTracker:
                 return True  # released meanwhile
         return True
 
-    def _sweep_deadlines(self, token: int) -> None:
+    def _sweep_deadlines(self, token: int, planned: float) -> None:
         """Transport timer: expire the parked to_here() calls whose deadline passed, and
         sleep until the next live one's. One timer for all of them: a timer per to_here()
         woke the transport's thread at every call's deadline, long after most of them were
         answered."""
-        now = time.monotonic()
+        until = max(planned, time.monotonic())  # a timer is never early; a simulation's may be
         due: list[tuple[float, Parked]] = []
         with self._lock:
             heap = self._deadlines
-            while heap and (heap[0][0] <= now or heap[0][3].cell is None):
+            while heap and (heap[0][0] <= until or heap[0][3].cell is None):
                 _, _, timeout, p = heapq.heappop(heap)
                 if p.cell is not None:
                     due.append((timeout, p))
@@ -291,7 +292,7 @@ class CreationTracker:
                 self._expire(p, timeout)
         finally:
             if nxt is not None:
-                self.core.transport.call_later(max(0.0, nxt - time.monotonic()), lambda: self._sweep_deadlines(token))
+                self.core.transport.call_later(max(0.0, nxt - time.monotonic()), lambda: self._sweep_deadlines(token, nxt))
 
     def _take(self, cell: Creation) -> list[Parked]:
         with self._lock:
@@ -402,22 +403,25 @@ class CreationTracker:
                 self.replies.respond(src, msg_id, Response(OK, (), False).meta(True), [], msg)  # accepted (again)
             core.stats["duplicate_calls_dropped"] += 1
             return None
-        self.accepts[rec.rref_id] = (src, msg_id, time.monotonic() + ACCEPT_DELAY_S)
+        due = time.monotonic() + ACCEPT_DELAY_S
+        self.accepts[rec.rref_id] = (src, msg_id, due)
         with self._sweep_lock:
-            if not self._sweep_armed:
-                self._sweep_armed = True
-                core.transport.call_later(ACCEPT_DELAY_S, self._sweep_accepts)
+            arm = not self._sweep_armed
+            self._sweep_armed = True
+        if arm:  # never under the lock: a transport may run the timer at once (a simulation)
+            core.transport.call_later(ACCEPT_DELAY_S, lambda: self._sweep_accepts(due))
         return rec
 
-    def _sweep_accepts(self) -> None:
-        """Transport thread timer: accept every creation whose value has taken longer than
-        ``ACCEPT_DELAY_S``, and sleep until the next one is due. One timer for all of them:
-        a timer per creation woke the transport's thread once per quick remote() (each
-        timer fires 50 ms after its creation, long after the creation was answered)."""
-        now = time.monotonic()
+    def _sweep_accepts(self, planned: float) -> None:
+        """Transport thread timer, planned for ``planned``: accept every creation whose value
+        has taken longer than ``ACCEPT_DELAY_S`` (due by then), and sleep until the next one
+        is due. One timer for all of them: a timer per creation woke the transport's thread
+        once per quick remote() (each fired 50 ms after its creation, long after the
+        creation was answered)."""
+        until = max(planned, time.monotonic())
         try:
             for rref_id, (_, _, due) in self.accepts.copy().items():  # arrival order = due order
-                if due > now:
+                if due > until:
                     break
                 accept = self.accepts.pop(rref_id, None)
                 if accept is not None:
@@ -426,8 +430,9 @@ class CreationTracker:
             with self._sweep_lock:  # on_request adds before it looks at the flag: nothing is missed
                 nxt = next(iter(self.accepts.copy().values()), None)
                 self._sweep_armed = nxt is not None
-                if nxt is not None:
-                    self.core.transport.call_later(max(0.0, nxt[2] - time.monotonic()), self._sweep_accepts)
+            if nxt is not None:
+                nxt_due = nxt[2]
+                self.core.transport.call_later(max(0.0, nxt_due - time.monotonic()), lambda: self._sweep_accepts(nxt_due))
 
     def finished(self, rec: OwnerRecord, creator: int, exc: BaseException | None) -> None:
         """Pool thread: the creating function finished; answer the creator (NOTE
