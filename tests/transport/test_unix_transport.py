@@ -761,7 +761,10 @@ def test_callers_read_their_own_answers_from_many_threads() -> None:
         assert sorted(tuple(m) for m, _, _, _, _ in out) == sorted((t, i) for t in range(n_threads) for i in range(per))
         assert g.t.stats["own_reads"] > 0
         assert any(w.startswith("caller-") for *_, w in out), "no caller ever read its own answer"
-        assert not any(ch.reading for ch in g.t._peers.values()), "a read token was kept"
+        # a token handed back to the loop with a message that was not an answer is released
+        # by the loop once it dispatched it: it may still be on its way when the last
+        # caller returns (this failed once as an instant check)
+        poll_for(lambda: not any(ch.reading for ch in g.t._peers.values()), 5, "every read token released")
         for dest in (1, 2):  # the loop reads both sockets again
             assert g.call(dest, ECHO, "after", [b"x"])[2] is None
 
