@@ -258,6 +258,12 @@ class NodeMonitor(threading.Thread):
         self._wake = wake
         self.events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._halt = threading.Event()
+        #: node 0: the nodes that had not published ``done`` at the last heartbeat (swapped whole)
+        self._pending: tuple[int, ...] = tuple(r for r in range(len(world.nodes)) if r != world.node_rank)
+
+    def pending_text(self) -> str:
+        """The nodes node 0 still waits for, for the launcher's SIGUSR1 status line."""
+        return ", ".join(map(str, self._pending)) or "none"
 
     def stop(self, timeout: float) -> None:
         self._halt.set()
@@ -280,6 +286,7 @@ class NodeMonitor(threading.Thread):
                 if me == 0:
                     pending = [r for r in others if r not in lost
                                and not self._client.check([_key("done", r)])]
+                    self._pending = tuple(pending)
                     if not pending and not done_posted:
                         done_posted = True
                         self._post("nodes_done", None)

@@ -284,6 +284,7 @@ class Supervisor:
     def _start_dump(self) -> None:
         """NOTE [The event loop]: a dump round on its own thread; one at a time."""
         self._dump_asked = False
+        self.console.message(f"rrefrt-run: SIGUSR1: {self._describe()}")
         if self._dump_dir is None or self.phase != "running":
             return
         if self._dump_thread is not None and self._dump_thread.is_alive():
@@ -294,6 +295,19 @@ class Supervisor:
         self._dump_thread = threading.Thread(target=dump_job, args=(self._dump_dir, workers, self.console.message),
                                              name="rrefrt-run-dump", daemon=True)
         self._dump_thread.start()
+
+    def _describe(self) -> str:
+        """Where this launcher is: its phase, its workers, and the nodes node 0 still waits for."""
+        what = f"{self.phase} ({self.reason})" if self.reason else self.phase
+        ranks = []
+        for w in self.workers:
+            state = "running" if w.running else (w.status.describe() if w.status is not None else "ended")
+            ranks.append(f"rank {w.rank} pid {w.pid} {state}")
+        text = f"node {self.cfg.node_rank} {what} after {time.monotonic() - self._started:.1f}s; " + \
+            ("; ".join(ranks) or "no workers")
+        if self.phase == "waiting_nodes" and self._monitor is not None:
+            text += f"; waiting for node(s) {self._monitor.pending_text()} to report done"
+        return text
 
     def _wake(self) -> None:
         try:

@@ -190,6 +190,8 @@ def test_sigusr1_to_rrefrt_run_dumps_every_worker_and_the_job_goes_on(tmp_path):
                  lambda: "".join(lines))
         took = time.monotonic() - t0
         assert p.poll() is None  # the job goes on
+        assert any(x.startswith("rrefrt-run: SIGUSR1: node 0 running after") and "rank 1 pid" in x
+                   for x in list(lines)), "".join(lines)  # the launcher says where it is too
         one, zero = "".join(dumped(1)), "".join(dumped(0))
         # worker1: the handler running for worker0, where it is, and every thread's stack
         assert "'stuck' from 'worker0', running for" in one and "stuck_fns.py" in one and "in stuck" in one, one

@@ -352,6 +352,36 @@ def test_a_lost_node_stops_the_job(procs, tmp_path, victim):
     print(f"\nnode {survivor} stopped {took:.2f}s after node {victim}'s launcher was killed")
 
 
+@pytest.mark.timeout(40)
+def test_sigusr1_says_what_node_0_waits_for(procs, tmp_path):
+    """Node 0's workers are done, node 1's hold: SIGUSR1 to node 0's launcher prints its
+    phase, its workers' ends and the node it still waits for (a stuck job says where)."""
+    import threading
+
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--rdzv-timeout", "20"]
+    node0 = procs.launch([*common, "--node-rank", "0", WORKER, str(tmp_path)])
+    procs.launch([*common, "--node-rank", "1", WORKER, str(tmp_path), "--hold", "60"])
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(x.decode(errors="replace") for x in node0.stderr),
+                              daemon=True)
+    reader.start()
+    recs = wait_ranks(str(tmp_path), range(2), time.monotonic() + 20)
+    procs.track([rec["pid"] for rec in recs.values()])
+    poll_for(lambda: not alive(recs[0]["pid"]), time.monotonic() + 10, "rank 0 to exit (it does not hold)")
+
+    def waiting() -> list[str]:
+        node0.send_signal(signal.SIGUSR1)  # once per poll, until the launcher has seen rank 0 end
+        return [x for x in list(lines) if x.startswith("rrefrt-run: SIGUSR1: node 0 waiting_nodes")]
+    text = poll_for(waiting, time.monotonic() + 10, "the SIGUSR1 status line", interval=0.5)[0]
+    assert "node 0 waiting_nodes (waiting for the other nodes) after" in text, text
+    assert f"rank 0 pid {recs[0]['pid']} exited with code 0" in text, text
+    assert "waiting for node(s) 1 to report done" in text, text
+    assert node0.poll() is None  # the job goes on
+    print(f"\n{text}")
+
+
 # ---- an rrefrt program --------------------------------------------------------------------
 
 @pytest.mark.timeout(40)

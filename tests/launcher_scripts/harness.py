@@ -139,6 +139,12 @@ def finish_all(popens: Sequence[subprocess.Popen[bytes]],
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     if len(results) < len(popens):
+        tree = _process_tree([p.pid for p in popens if p.poll() is None])
+        for p in popens:  # each launcher prints where it is (its SIGUSR1 status line)
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        for t in threads:
+            t.join(1.0)
         for p in popens:
             if p.poll() is None:
                 p.kill()
@@ -146,5 +152,22 @@ def finish_all(popens: Sequence[subprocess.Popen[bytes]],
             t.join(5)
         dump = "\n".join(f"--- launcher {i}: rc {rc}\n{out}{err}"
                           for i, (rc, out, err) in sorted(results.items()))
-        raise AssertionError(f"launchers still running after {timeout}s:\n{dump}")
+        raise AssertionError(f"launchers still running after {timeout}s:\n{dump}\n"
+                             f"--- their processes then:\n{tree}")
     return [results[i] for i in range(len(popens))]
+
+
+def _process_tree(roots: Sequence[int]) -> str:
+    """``ps`` lines (pid, parent, state, kernel wait channel, age, command) of ``roots`` and
+    every descendant: what a hung launcher test was waiting on."""
+    res = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,wchan:24=,etime=,args="], capture_output=True,
+                         text=True, timeout=10)
+    rows = [line.split(None, 5) for line in res.stdout.splitlines() if line.strip()]
+    keep, grew = set(roots), True
+    while grew:
+        grew = False
+        for row in rows:
+            if int(row[0]) not in keep and int(row[1]) in keep:
+                keep.add(int(row[0]))
+                grew = True
+    return "\n".join(" ".join(row) for row in rows if int(row[0]) in keep) or "(none left)"
