@@ -77,6 +77,7 @@ from rrefrt.runtime.control import ControlLoop, CreationLost
 from rrefrt.runtime.core import WorkerCore
 from rrefrt.runtime.replies import Replies
 from rrefrt.runtime.requests import Requests, fetch_error
+from rrefrt.runtime.sweep import DeadlineSweep
 from rrefrt.errors import RpcTimeoutError, RRefCreationError, fresh
 from rrefrt.futures import Future
 from rrefrt.protocol.ids import ForkId
@@ -143,9 +144,8 @@ class CreationTracker:
         #: not yet answered, in arrival order; popped by whoever answers first, the finished
         #: call or the accept sweep (owner side; NOTE [Creation acks] 2)
         self.accepts: dict[Any, tuple[int, int, float]] = {}
-        #: one accept sweep is scheduled on the transport's timers (under ``_sweep_lock``)
-        self._sweep_armed = False
-        self._sweep_lock = threading.Lock()
+        #: one transport timer for every accept (NOTE [Deadline sweeps] in rrefrt/runtime/sweep.py)
+        self._accept_sweep = DeadlineSweep(self._call_later, self._next_accept, self._sweep_accepts)
         #: fork id -> to_here futures of a not yet confirmed remote(), failed if it is lost
         #: (creator side; removed by their answer, ``forget_fetch``); under ``_lock``
         self.fetches: dict[ForkId, list[Future[Any]]] = {}
@@ -154,10 +154,11 @@ class CreationTracker:
         #: released ones leave when they reach its top (creator side; under ``_lock``)
         self._deadlines: list[tuple[float, int, float, Parked]] = []
         self._seq = itertools.count()
-        #: when the deadline sweep is due, None when none is scheduled, and the token of that
-        #: sweep (an earlier deadline schedules another; the one it replaced stops) (under ``_lock``)
-        self._sweep_due: float | None = None
-        self._sweep_token = 0
+        #: one transport timer for every parked deadline (NOTE [Deadline sweeps])
+        self._deadline_sweep = DeadlineSweep(self._call_later, self._next_deadline, self._sweep_deadlines)
+
+    def _call_later(self, delay: float, fn: Any) -> object:
+        return self.core.transport.call_later(delay, fn)  # set by the root after this exists
 
     # ------------------------------------------------------------------ creator side
     def new(self, fork_id: ForkId) -> Creation:
@@ -246,34 +247,28 @@ class CreationTracker:
             cell.waiters.append(p)
             if p.deadline is None:
                 return True
-            heap = self._deadlines
-            while heap and heap[0][3].cell is None:  # released long ago: no timer needed for them
-                heapq.heappop(heap)
-            heapq.heappush(heap, (p.deadline, next(self._seq), timeout, p))
-            arm = self._sweep_due is None or p.deadline < self._sweep_due
-            if arm:  # the sweep scheduled before this one (a later one) stops re-arming
-                self._sweep_due = p.deadline
-                self._sweep_token += 1
-                token = self._sweep_token
-        if arm:
-            try:
-                planned = p.deadline
-                self.core.transport.call_later(timeout, lambda: self._sweep_deadlines(token, planned))
-            except Exception:  # a closed transport: unpark, the fetch path raises typed
-                with self._lock:
-                    self._sweep_due = None
-                    if cell.waiters is not None and p in cell.waiters:
-                        cell.waiters.remove(p)
-                        return False
-                return True  # released meanwhile
+            heapq.heappush(self._deadlines, (p.deadline, next(self._seq), timeout, p))
+        try:
+            self._deadline_sweep.schedule(p.deadline)
+        except Exception:  # a closed transport: unpark, the fetch path raises typed
+            with self._lock:
+                if cell.waiters is not None and p in cell.waiters:
+                    cell.waiters.remove(p)
+                    return False
+            return True  # released meanwhile
         return True
 
-    def _sweep_deadlines(self, token: int, planned: float) -> None:
-        """Transport timer: expire the parked to_here() calls whose deadline passed, and
-        sleep until the next live one's. One timer for all of them: a timer per to_here()
-        woke the transport's thread at every call's deadline, long after most of them were
-        answered."""
-        until = max(planned, time.monotonic())  # a timer is never early; a simulation's may be
+    def _next_deadline(self) -> float | None:
+        """The deadline sweep's ``peek``: the earliest deadline of a call still parked."""
+        with self._lock:
+            heap = self._deadlines
+            while heap and heap[0][3].cell is None:  # released: no timer needed for them
+                heapq.heappop(heap)
+            return heap[0][0] if heap else None
+
+    def _sweep_deadlines(self, until: float) -> None:
+        """Transport timer: expire the parked to_here() calls whose deadline passed by
+        ``until`` (NOTE [Deadline sweeps])."""
         due: list[tuple[float, Parked]] = []
         with self._lock:
             heap = self._deadlines
@@ -281,18 +276,8 @@ class CreationTracker:
                 _, _, timeout, p = heapq.heappop(heap)
                 if p.cell is not None:
                     due.append((timeout, p))
-            nxt = None
-            if token == self._sweep_token:  # the one scheduled sweep: it schedules the next
-                self._sweep_due = nxt = heap[0][0] if heap else None
-                if nxt is not None:
-                    self._sweep_token += 1
-                    token = self._sweep_token
-        try:
-            for timeout, p in due:
-                self._expire(p, timeout)
-        finally:
-            if nxt is not None:
-                self.core.transport.call_later(max(0.0, nxt - time.monotonic()), lambda: self._sweep_deadlines(token, nxt))
+        for timeout, p in due:
+            self._expire(p, timeout)
 
     def _take(self, cell: Creation) -> list[Parked]:
         with self._lock:
@@ -404,35 +389,24 @@ class CreationTracker:
             core.stats["duplicate_calls_dropped"] += 1
             return None
         due = time.monotonic() + ACCEPT_DELAY_S
-        self.accepts[rec.rref_id] = (src, msg_id, due)
-        with self._sweep_lock:
-            arm = not self._sweep_armed
-            self._sweep_armed = True
-        if arm:  # never under the lock: a transport may run the timer at once (a simulation)
-            core.transport.call_later(ACCEPT_DELAY_S, lambda: self._sweep_accepts(due))
+        self.accepts[rec.rref_id] = (src, msg_id, due)  # before the schedule (NOTE [Deadline sweeps])
+        self._accept_sweep.schedule(due)
         return rec
 
-    def _sweep_accepts(self, planned: float) -> None:
-        """Transport thread timer, planned for ``planned``: accept every creation whose value
-        has taken longer than ``ACCEPT_DELAY_S`` (due by then), and sleep until the next one
-        is due. One timer for all of them: a timer per creation woke the transport's thread
-        once per quick remote() (each fired 50 ms after its creation, long after the
-        creation was answered)."""
-        until = max(planned, time.monotonic())
-        try:
-            for rref_id, (_, _, due) in self.accepts.copy().items():  # arrival order = due order
-                if due > until:
-                    break
-                accept = self.accepts.pop(rref_id, None)
-                if accept is not None:
-                    self.replies.respond(accept[0], accept[1], Response(OK, (), False).meta(True), [], RemoteRequest)
-        finally:
-            with self._sweep_lock:  # on_request adds before it looks at the flag: nothing is missed
-                nxt = next(iter(self.accepts.copy().values()), None)
-                self._sweep_armed = nxt is not None
-            if nxt is not None:
-                nxt_due = nxt[2]
-                self.core.transport.call_later(max(0.0, nxt_due - time.monotonic()), lambda: self._sweep_accepts(nxt_due))
+    def _next_accept(self) -> float | None:
+        """The accept sweep's ``peek``: when the oldest unanswered creation is due."""
+        first = next(iter(self.accepts.copy().values()), None)  # a copy: pool threads pop
+        return first[2] if first is not None else None
+
+    def _sweep_accepts(self, until: float) -> None:
+        """Transport timer: accept every creation whose value has taken longer than
+        ``ACCEPT_DELAY_S`` (due by ``until``; NOTE [Creation acks] 2)."""
+        for rref_id, (_, _, due) in self.accepts.copy().items():  # arrival order = due order
+            if due > until:
+                break
+            accept = self.accepts.pop(rref_id, None)
+            if accept is not None:
+                self.replies.respond(accept[0], accept[1], Response(OK, (), False).meta(True), [], RemoteRequest)
 
     def finished(self, rec: OwnerRecord, creator: int, exc: BaseException | None) -> None:
         """Pool thread: the creating function finished; answer the creator (NOTE

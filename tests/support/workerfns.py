@@ -419,8 +419,9 @@ def burst_then_report(dest: str, n: int) -> dict:
 
 def creation_timers() -> int:
     """Timers of this worker's same-host transport that serve remote() creations (the
-    owner's accept timers, NOTE [Creation acks] 2 in rrefrt/runtime/creation.py)."""
+    owner's accept sweep and the creator's deadline sweep, NOTE [Deadline sweeps] in
+    rrefrt/runtime/sweep.py)."""
     timers = rrefrt.state.current().transport.local._timers
     with timers._lock:
         fns = [entry[2] for entry in timers._heap]
-    return sum("CreationTracker" in getattr(fn, "__qualname__", "") for fn in fns)
+    return sum("DeadlineSweep" in getattr(fn, "__qualname__", "") for fn in fns)
