@@ -315,15 +315,32 @@ def _rebuild_contiguous(buf: Any, dtype: str, shape: tuple, requires_grad: bool,
     if not n:
         t = torch.empty(shape, dtype=tdtype)
     elif mv.readonly and n <= COPY_FRAMES_BELOW:
-        t = torch.frombuffer(bytearray(mv), dtype=tdtype).view(shape)
-    elif type(buf) is bytearray and not mv.readonly:
-        # a frame of its own (NOTE [Small frames own their bytes] in the same-host wire):
-        # the tensor is rebuilt over it, copied only if its start is not aligned for dtype
-        t = torch.frombuffer(buf, dtype=torch.uint8)
-        t = (t if not t.data_ptr() % tdtype.itemsize else t.clone()).view(tdtype).view(shape)
+        t = torch.frombuffer(bytearray(mv), dtype=tdtype)
+        if len(shape) != 1:
+            t = t.view(shape)
+    elif not mv.readonly:
+        # a frame of its own (NOTE [Small frames own their bytes] in the same-host wire) or
+        # a writable mapping (a shared-memory segment): the tensor is rebuilt over it, in
+        # the dtype at once; copied only if its start is not aligned for dtype (a segment's
+        # frames are page-aligned). Writable: torch has nothing to warn about, so no
+        # ``warnings.catch_warnings`` (process-wide state, and 40 us of a 1 MB round trip).
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        t = torch.frombuffer(mv, dtype=torch.uint8 if _misaligned(mv, tdtype.itemsize) else tdtype)
+        if t.dtype is not tdtype:
+            t = t.clone().view(tdtype)
+        if len(shape) != 1:
+            t = t.view(shape)
     else:
         return _rebuild_frames(buf, dtype, shape, _contiguous_strides(shape), requires_grad, kind, "cpu")
     return _finish(t, requires_grad, kind) if requires_grad or kind != "tensor" else t
+
+
+def _misaligned(mv: memoryview, itemsize: int) -> bool:
+    """Whether a writable frame's first byte is not aligned for ``itemsize``."""
+    if itemsize == 1:
+        return False
+    return bool(ctypes.addressof(ctypes.c_char.from_buffer(mv)) % itemsize)
 
 
 def _span_of(shape: tuple, strides: tuple) -> int:

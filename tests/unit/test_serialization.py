@@ -95,6 +95,32 @@ def test_misaligned_frame_is_copied():
     assert torch.equal(out, t)
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+def test_a_writable_frame_is_aliased_in_its_dtype_or_copied_when_misaligned(monkeypatch, offset):
+    """A writable frame (a shared-memory segment's, page-aligned) becomes a tensor over its
+    memory, in its dtype and shape, with no ``warnings.catch_warnings`` (process-wide
+    state); a misaligned one is copied."""
+    import mmap
+    import struct
+    import warnings
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    frames, _ = ser.dumps(t)
+    data = bytes(frames[1])
+    seg = mmap.mmap(-1, 4096)
+    frame = memoryview(seg)[offset:offset + len(data)]
+    frame[:] = data
+
+    def no_filters(*a, **k):
+        raise AssertionError("a writable frame needs no warning filter")
+    monkeypatch.setattr(warnings, "catch_warnings", no_filters)
+    out = ser.loads([bytes(frames[0]), frame], [])
+    assert torch.equal(out, t) and out.shape == (3, 4) and out.dtype == torch.float32
+    frame[0:4] = struct.pack("f", 42.0)
+    assert out[0, 0].item() == (42.0 if offset == 0 else 0.0)  # aliased when aligned, else a copy
+    del out, frame
+
+
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_a_small_read_only_frame_becomes_a_private_writable_tensor(offset):
     """NOTE [Small tensor frames]: a read-only frame (a slice of the message's bytes, at
