@@ -284,9 +284,7 @@ def _rebuild_frames(buf: Any, dtype: str, shape: tuple, strides: tuple, requires
             raise SerializationError(f"tensor frame too short for shape {shape} and strides {strides}")
         t = flat.as_strided(shape, strides)
     else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only frames: torch warns, we never write them
-            raw = torch.frombuffer(mv, dtype=torch.uint8)
+        raw = _frombuffer_read_only(torch, mv)
         if raw.data_ptr() % max(1, tdtype.itemsize):
             raw = raw.clone()
         flat = raw.view(tdtype)
@@ -296,6 +294,24 @@ def _rebuild_frames(buf: Any, dtype: str, shape: tuple, strides: tuple, requires
     if device != "cpu":
         t = t.to(device)  # on the receiver's current stream
     return _finish(t, requires_grad, kind)
+
+
+#: torch warns about a read-only buffer once per process (TORCH_WARN_ONCE): only the first
+#: such frame needs the warning silenced (``warnings.catch_warnings`` is process-wide state)
+_read_only_warned = False
+
+
+def _frombuffer_read_only(torch: Any, mv: memoryview) -> Any:
+    """A uint8 tensor over a read-only frame; we never write it, so torch's warning about
+    non-writable tensors is noise and is silenced, the one time torch gives it."""
+    global _read_only_warned
+    if _read_only_warned:
+        return torch.frombuffer(mv, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        raw = torch.frombuffer(mv, dtype=torch.uint8)
+    _read_only_warned = True
+    return raw
 
 
 def _rebuild_contiguous(buf: Any, dtype: str, shape: tuple, requires_grad: bool, kind: str) -> Any:

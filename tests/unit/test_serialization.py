@@ -7,6 +7,7 @@ CUDA functions where the logic can run without a GPU.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 import threading
@@ -515,3 +516,27 @@ def test_a_numpy_array_arrives_writable():
     back = ser.loads([bytes(f) for f in frames], [])["state"]
     assert back.flags.writeable and (back == a).all()
     back[0, 0] = 7.0
+
+
+def test_large_read_only_frames_raise_no_warning_and_change_no_filter():
+    """torch warns once per process about a read-only buffer: the first large read-only
+    frame is decoded with that warning silenced, later ones without touching the
+    process-wide warning filters. In a fresh process where every warning is an error."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch\n"
+        "from rrefrt.payload import serialization as ser\n"
+        "big = torch.arange(1 << 15, dtype=torch.float32)\n"
+        "frames, _ = ser.dumps(big)\n"
+        "for _ in range(3):\n"
+        "    before = list(warnings.filters)\n"
+        "    out = ser.loads([bytes(frames[0]), memoryview(bytes(frames[1]))], [])\n"
+        "    assert torch.equal(out, big) and warnings.filters == before\n"
+        "    warnings.catch_warnings = None  # the first frame only may silence the warning\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
