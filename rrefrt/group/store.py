@@ -487,6 +487,7 @@ class StoreClient:
         self._require = (self._secret is not None) if require_auth is None else require_auth
         deadline = time.monotonic() + connect_timeout
         last: BaseException | None = None
+        pause = 0.005  #: retry back-off: 5 ms doubling to 50 ms (a store that starts a moment later is met at once)
         while True:
             try:
                 self._sock = socket.create_connection((host, port), timeout=max(0.05, min(5.0, connect_timeout)))
@@ -507,7 +508,8 @@ class StoreClient:
                         f"could not reach the rendezvous store at {host}:{port} within "
                         f"{connect_timeout:.1f}s ({last}); is rank 0 (or the launcher) running?"
                     ) from None
-                threading.Event().wait(min(0.05, left))  # retry back-off, not synchronisation
+                threading.Event().wait(min(pause, left))  # retry back-off, not synchronisation
+                pause = min(0.05, pause * 2)
 
     def _handshake(self, timeout: float) -> None:
         where = f"{self.host}:{self.port}"

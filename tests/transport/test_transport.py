@@ -823,3 +823,21 @@ def test_large_buffers_are_lent_without_a_copy_and_released_before_request_retur
         assert not agent.is_alive(1)
     finally:
         os.kill(b.pid, signal.SIGKILL)
+
+
+def test_a_join_is_not_paced_by_the_heartbeat_period(mesh):
+    """Two agents joining each other at once are up within tens of ms: the first beats to
+    peers met at the join go out at once (then 5 ms, 10, ... until PROBE_S) and unanswered
+    HELLOs are repeated after 5 ms, doubling. Paced by the heartbeat's slow tick (every
+    0.25 s) and a 50 ms HELLO retry, every join of a group took 0.2-0.25 s."""
+    a, b = mesh.local(0, "a"), mesh.local(1, "b")
+    took: dict[int, float] = {}
+
+    def join(i: int) -> None:
+        t0 = time.monotonic()
+        (a, b)[i].agent.connect_peers([a.spec, b.spec], 10.0)
+        took[i] = time.monotonic() - t0
+
+    run_threads(2, join, 15.0)
+    assert max(took.values()) < 0.12, took
+    print(f"\ntwo agents joined in {took[0] * 1e3:.1f} / {took[1] * 1e3:.1f} ms")

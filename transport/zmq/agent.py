@@ -69,8 +69,9 @@ before (every pair connected and watched at the join).
 2. Sending to X uses the pipe chosen for X once and kept (per-pair FIFO): ours if we
    connected first, else X's, known once its HELLO arrived on it; with neither, we connect
    now. Data waits in X's backlog until the pipe is validated: a HELLO_ACK of X's current
-   incarnation on our pipe (HELLO repeats every PROBE_S until answered: X drops HELLOs
-   until it knows us), or X's HELLO on its own.
+   incarnation on our pipe (HELLO repeats until answered, after 5 ms, then twice as long
+   each time up to PROBE_S: X drops HELLOs until it knows us, which its own join usually
+   brings a few ms later), or X's HELLO on its own.
 3. A pipe carries application messages only after a HELLO or HELLO_ACK with the sender's
    current incarnation arrived on it (both sides send one first on every pipe they send
    on): a message from an old incarnation, or before its HELLO, is dropped and counted.
@@ -439,7 +440,8 @@ class ZmqTransport:
 
     def _wake_hint(self, now: float) -> float | None:
         if (self._awaited and not self._all_up.is_set()) or any(p.backlog for p in self._peers.values()):
-            return now + PROBE_S
+            due = [p.hello_due for p in self._peers.values() if p.connected and not p.joined and p.error is None]
+            return min([now + PROBE_S, *due])
         return None
 
     # ------------------------------------------------------------------ data loop thread
@@ -460,7 +462,8 @@ class ZmqTransport:
         for peer in self._peers.values():
             if not peer.joined:
                 if peer.connected and peer.error is None and now >= peer.hello_due:
-                    peer.hello_due = now + PROBE_S
+                    peer.hello_gap = min(PROBE_S, peer.hello_gap * 2)
+                    peer.hello_due = now + peer.hello_gap
                     self._try_send(peer, self._hello(wire.HELLO))
             elif peer.backlog:
                 self._flush_backlog(peer)
@@ -641,7 +644,7 @@ class ZmqTransport:
         self._sock.connect(peer.data)
         self.stats["data_connects"] += 1
         peer.connected, peer.rid = True, rid
-        peer.hello_due = time.monotonic() + PROBE_S
+        peer.hello_due = time.monotonic() + peer.hello_gap
         self._try_send(peer, self._hello(wire.HELLO))
         self._watch(pid)
 

@@ -143,6 +143,11 @@ class Heartbeat:
         self._dead_since: dict[int, float] = {}  #: dead peer -> when; FENCED retried for FENCE_RETRY_S
         self._probe_until = 0.0  #: probe every route every PROBE_S until then (Rule 3)
         self._next_beat = 0.0
+        #: the live tick's number: a tick scheduled before a sooner one replaced it does nothing
+        self._tick_gen = 0
+        #: after new peers are watched, the next ticks come sooner (5 ms doubling to PROBE_S):
+        #: a beat sent before the connection is up is dropped, and the join waits for one
+        self._soon = PROBE_S
         self._echo_peer: dict[bytes, int] = {}  #: echo routing id -> peer id
         self._connected: dict[int, list[str]] = {}  #: peer id -> endpoints we connected to
         #: peers that left the group (``forget``): their late messages are dropped, never
@@ -170,7 +175,7 @@ class Heartbeat:
 
     def start(self) -> None:
         self.loop.start()
-        self.loop.call_soon(self._tick)
+        self.loop.call_soon(self._tick_now)
 
     def know(self, peers: list[tuple[int, str, int, str, str]]) -> None:
         """Any thread: the members, (id, name, incarnation, heartbeat endpoint, echo endpoint)
@@ -214,6 +219,8 @@ class Heartbeat:
             self.stats["peers_watched"] += 1
         if not fresh:
             return
+        self._soon = 0.005
+        self._tick_now()  # beat the new peers now, not at the next slow tick (up to 0.25 s away)
         if join:
             self.table.add(fresh, join_timeout=timeout)
             self._probe_until = time.monotonic() + 3600.0  # until the join ends: see _tick
@@ -315,9 +322,17 @@ class Heartbeat:
             raise
         return True
 
-    def _tick(self) -> None:
+    def _tick_now(self) -> None:
+        """Loop thread: tick as soon as the loop is free; the tick scheduled before is void."""
+        self._tick_gen += 1
+        gen = self._tick_gen
+        self.loop.call_soon(lambda: self._tick(gen))
+
+    def _tick(self, gen: int) -> None:
         """Beat every interval; probe every route while joining or after a disconnect, and
         suspects; judge the table; retry FENCED to dead peers whose route may be back."""
+        if gen != self._tick_gen:
+            return  # replaced by a sooner tick (``_tick_now``)
         now = time.monotonic()
         joining = self.table.joining()
         if not joining and self._probe_until > now + 60:
@@ -346,7 +361,12 @@ class Heartbeat:
             else:
                 self._send_fenced(peer)
         fast = probing or suspects or self._dead_since
-        self.loop.call_later(PROBE_S if fast else min(0.25, self.interval / 2), self._tick)
+        self._tick_gen += 1
+        gen = self._tick_gen
+        period = PROBE_S if fast else min(0.25, self.interval / 2)
+        if self._soon < PROBE_S:
+            period, self._soon = min(period, self._soon), self._soon * 2
+        self.loop.call_later(period, lambda: self._tick(gen))
 
     def _tell_suspicions(self, due: bool) -> None:
         """NOTE [Witnesses]: tell each new suspicion at once, and every beat while it lasts."""

@@ -44,4 +44,7 @@ class Peer:
     pending: dict[int, Pending] = field(default_factory=dict)  #: msg_id -> request awaiting it
     backlog: collections.deque = field(default_factory=collections.deque)  #: frames not yet routable
     hello_due: float = 0.0
+    #: the pause before the next HELLO while unanswered: HELLO_FIRST_S doubling to PROBE_S (a
+    #: peer drops HELLOs until its own join knows us, usually a few ms later)
+    hello_gap: float = 0.005
 
