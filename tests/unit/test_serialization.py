@@ -540,3 +540,53 @@ def test_large_read_only_frames_raise_no_warning_and_change_no_filter():
     res = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+# ---------------------------------------------------------------------------- NOTE [Tensor streams]
+def _full_stream(t):
+    """The stream the Pickler itself writes for ``t`` (no fast path)."""
+    import io
+
+    f, out = io.BytesIO(), []
+    ser._Pickler(f, out, None, buffers.LOCAL_ROUTE).dump(t)
+    assert len(out) == 1
+    return f.getvalue()
+
+
+@pytest.mark.parametrize("t", [torch.rand(1024), torch.arange(12, dtype=torch.int64).reshape(3, 4),
+                               torch.ones(2, 3, 4, dtype=torch.float16), torch.zeros((), dtype=torch.float64),
+                               torch.ones(5, requires_grad=True), torch.tensor([True, False])])
+def test_a_plain_tensor_payload_is_sent_as_the_stream_the_pickler_writes(t):
+    frames, forks = ser.dumps(t)
+    assert frames[0] == _full_stream(t) and not forks
+    assert bytes(frames[1]) == t.detach().numpy().tobytes()
+    out = ser.loads([bytes(frames[0]), bytearray(bytes(frames[1]))], [])
+    assert torch.equal(out, t.detach()) and out.shape == t.shape and out.requires_grad == t.requires_grad
+
+
+def test_a_stream_seen_once_decodes_without_an_unpickler(monkeypatch):
+    t = torch.arange(7, dtype=torch.int32).reshape(7, 1)
+    frames, _ = ser.dumps(t)
+    stream = bytes(frames[0])
+    ser._stream_keys.pop(stream, None)
+    assert torch.equal(ser.loads([stream, bytearray(bytes(frames[1]))], []), t)  # learned here
+    assert stream in ser._stream_keys
+
+    def no_unpickler(*a, **k):
+        raise AssertionError("a known tensor stream needs no Unpickler")
+    monkeypatch.setattr(ser, "_Unpickler", no_unpickler)
+    for i in range(3):
+        other = t + i
+        out = ser.loads([stream, bytearray(other.numpy().tobytes())], [])
+        assert torch.equal(out, other) and out.shape == (7, 1)
+    with pytest.raises(SerializationError):  # a frame of the wrong size is still refused
+        ser.loads([stream, bytearray(8)], [])
+
+
+def test_only_a_plain_tensors_exact_stream_is_learned():
+    base = torch.arange(20, dtype=torch.float32).reshape(4, 5)
+    for t in (base.t(), torch.nn.Parameter(base.clone()), [base]):  # strided, a Parameter, a list
+        frames, _ = ser.dumps(t)
+        stream = bytes(frames[0])
+        ser.loads([stream, *[bytearray(bytes(f)) for f in frames[1:]]], [])
+        assert stream not in ser._stream_keys
