@@ -152,13 +152,19 @@ def pair(w1_options: dict[str, Any], w1_env: dict[str, str] | None = None, **w0_
     port = free_port()
     workers = Workers()
     try:
-        workers.start(spec("w1", 1, 2, port, **w1_options), w1_env)
-        opts = {"rpc_timeout": 20.0, "shutdown_timeout": 20.0, "init_timeout": 60.0}
+        w1 = workers.start(spec("w1", 1, 2, port, **w1_options), w1_env)
+        # within the test's 60 s, so that a w1 that died at start is reported with its output
+        opts = {"rpc_timeout": 20.0, "shutdown_timeout": 20.0, "init_timeout": 30.0}
         opts.update(w0_options)
-        rrefrt.init_rpc(
-            "w0", rank=0, world_size=2,
-            rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **opts),
-        )
+        try:
+            rrefrt.init_rpc(
+                "w0", rank=0, world_size=2,
+                rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **opts),
+            )
+        except Exception as e:
+            workers.kill_all()
+            out = w1.communicate(timeout=5)[0] if w1.stdout is not None else ""
+            raise AssertionError(f"w0 could not join ({e}); w1 (exit code {w1.returncode}) printed:\n{out}") from e
         yield workers
         rrefrt.shutdown(timeout=20)
         for code, out in workers.wait_all(30):
