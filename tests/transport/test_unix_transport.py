@@ -866,3 +866,40 @@ def test_a_lazy_connection_waits_for_a_peer_still_joining(monkeypatch: pytest.Mo
     finally:
         t0.close()
         t1.close()
+
+
+@pytest.mark.parametrize("spin_us", [2000, 0])
+def test_the_loops_spin_catches_a_burst_and_pauses_when_idle(spin_us: int) -> None:
+    """NOTE [Receiver spin] in transport/unix/receiver.py: a loop about to sleep in a burst
+    first polls for up to RX_SPIN, so the burst's requests reach it without waking it
+    (counted in ``rx_spin_hits``); waits that catch nothing SPIN_MISSES times in a row pause the spin
+    (``rx_spin_pauses``), and a request after a quiet moment is no burst: no spin at all.
+    Here with a 2 ms spin (so a burst within one process, whose two loops share a GIL,
+    surely counts as one); ``rx_spin_us=0``: off."""
+    got: queue.Queue = queue.Queue()
+
+    def on1(src: int, kind: int, msg_id: int, meta: Any, frames: list) -> None:
+        t1.respond(src, msg_id, meta)
+
+    t0, t1 = _pair(on1, shm_threshold=0, rx_spin_us=spin_us)
+    try:
+        for burst in range(10):
+            for i in range(200):
+                t0.request(1, 17, i, [], 20.0, lambda m, f, e: got.put(e))
+            assert all(got.get(timeout=20) is None for _ in range(200))
+        if spin_us == 0:
+            assert t1.stats["rx_spin_hits"] == 0 and t1.stats["rx_spin_pauses"] == 0
+            return
+        assert t1.stats["rx_spin_hits"] > 0, dict(t1.stats)
+        # a request after a quiet moment is no burst: the loop sleeps at once
+        rx = t1._rx
+        poll_for(lambda: time.monotonic() - rx._rx_last > 0.05, 10, "a quiet moment")
+        spins = t1.stats["rx_spins"]
+        for i in range(3):
+            poll_for(lambda: time.monotonic() - rx._rx_last > 0.05, 10, "a quiet moment")
+            t0.request(1, 17, i, [], 20.0, lambda m, f, e: got.put(e))
+            assert got.get(timeout=20) is None
+        assert t1.stats["rx_spins"] == spins, dict(t1.stats)
+    finally:
+        t0.close(5.0)
+        t1.close(5.0)

@@ -53,6 +53,27 @@ per channel:
    to_here() 191 -> 160 us, 4 KB round trip 282 -> 238 us, for 0-18% more CPU per call
    (both sides: 145 -> 171, 219 -> 259, 292 -> 287 us); with both workers on one core it
    paused itself and cost nothing measurable (107 vs 107 us, same CPU).
+
+NOTE [Receiver spin]: on this kind of VM a ``sendmsg`` that wakes a thread sleeping in
+``epoll_wait`` costs the sender about 14 us of CPU (2.3 us when the peer sleeps in
+``recv``; docs/performance.md, "Known limits"). Every request to an idle loop paid it, and
+a burst of ``rpc_async`` calls paid it per message, the loop sleeping between them.
+
+1. Before it sleeps, the loop polls every fd it watches without sleeping for up to
+   ``rx_spin`` (``RX_SPIN``, 50 us; ``extra["rx_spin_us"]`` or ``RREFRT_RX_SPIN_US``, 0:
+   off). A message that arrives meanwhile wakes nobody. Only while calls or answers come
+   in a burst: when the last two wakes that read one were at most 2 x ``rx_spin`` apart
+   (the segment releases and PINGs between them do not count). A ping-pong (the next
+   request a round trip later), a large transfer or an idle worker never spins.
+2. Between two polls it yields the core (``sched_yield``): the pool thread that runs the
+   call it just handed on is usually waiting for this core, and must not wait for the spin.
+3. ``SPIN_MISSES`` spins in a row that catch nothing pause it for ``SPIN_PAUSE`` waits (as
+   a caller's spin, (7) above): an idle worker, or one whose peers call it seldom, spins
+   at most 4 times per 68 waits.
+   Measured with 2 workers pinned one per core (bench/bench_rpc.py, A/B against the loop
+   without it, 5 rounds): 1000 rpc_async calls in flight 1.55x the calls per second for
+   0.66x the CPU per call (both sides); rpc_sync, remote() + to_here(), 4 KB to 64 MB
+   round trips unchanged in latency and CPU (0.94-1.06x).
 """
 
 from __future__ import annotations
@@ -60,6 +81,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import os
 import select
 from time import monotonic as _now
 from typing import Any, Callable, Protocol
@@ -81,6 +103,8 @@ OWN_READ_SLICE = 0.02
 OWN_READ_LIMIT = 1.0
 #: NOTE [Own reads] (7): the default spin before a caller's first sleep, seconds
 OWN_READ_SPIN = 100e-6
+#: NOTE [Receiver spin]: the default spin of the loop before it sleeps, seconds
+RX_SPIN = 50e-6
 #: ... this many spins in a row that end without an answer on a channel ...
 SPIN_MISSES = 4
 #: ... stop the spinning for this many waits on that channel
@@ -149,6 +173,16 @@ class Receiver:
         self.n_received = 0
         #: NOTE [Own reads] (7): seconds a caller polls before its first sleep (0: never)
         self.spin = OWN_READ_SPIN
+        #: NOTE [Receiver spin]: seconds the loop polls before it sleeps (0: never), and its
+        #: pause after misses in a row
+        self.rx_spin = RX_SPIN
+        self._rx_misses = 0
+        self._rx_skip = 0
+        #: when the loop last read a call or an answer, and the time since the time before;
+        #: ``_n_msgs`` counts the calls and answers dispatched on this thread
+        self._rx_last = 0.0
+        self._rx_gap = 1.0
+        self._n_msgs = 0
 
     # ------------------------------------------------------------------ any thread
     def call_soon(self, fn: Any) -> None:
@@ -182,7 +216,15 @@ class Receiver:
                     timeout = 0.0
                 if self._calls or self._releases:
                     timeout = 0.0
-                for fd, data, events in poller.poll(timeout):
+                ready = None
+                if timeout > 0.0 and self.rx_spin and self._rx_gap <= 2.0 * self.rx_spin:
+                    if self._rx_skip:
+                        self._rx_skip -= 1
+                    else:
+                        ready = self._rx_spin_poll(min(self.rx_spin, timeout))
+                        if not ready:
+                            timeout = max(0.0, due - _now())
+                for fd, data, events in ready or poller.poll(timeout):
                     if data is BELL:
                         self.bell.clear()
                     elif data is LISTEN:
@@ -193,7 +235,11 @@ class Receiver:
                         if events & WRITE:
                             self._writable(data)
                         if events & READ:
+                            n = self._n_msgs
                             self._read(data)
+                            if self._n_msgs != n:
+                                now = _now()
+                                self._rx_gap, self._rx_last = now - self._rx_last, now
                 calls = self._calls
                 while calls:
                     guard(calls.popleft())
@@ -206,6 +252,28 @@ class Receiver:
             log.exception("receiver thread of %r crashed", self.name)
         finally:
             host.shutdown()
+
+    def _rx_spin_poll(self, spin: float) -> list:
+        """NOTE [Receiver spin]: poll every watched fd without sleeping for up to ``spin``
+        seconds; what became ready, or [] (a miss; SPIN_MISSES in a row pause it)."""
+        poller = self.poller
+        self._stats["rx_spins"] += 1
+        end = _now() + spin
+        while True:
+            ready = poller.poll(0.0)
+            if ready:
+                self._rx_misses = 0
+                self._stats["rx_spin_hits"] += 1
+                return ready
+            if _now() >= end:
+                break
+            os.sched_yield()  # a thread of ours that this core should run (the pool's) goes first
+        self._rx_misses += 1
+        if self._rx_misses >= SPIN_MISSES:
+            self._rx_misses = 0
+            self._rx_skip = SPIN_PAUSE
+            self._stats["rx_spin_pauses"] += 1
+        return []
 
     def _writable(self, ch: Channel) -> None:
         ch.want_write = False
@@ -401,6 +469,7 @@ class Receiver:
 
     def dispatch(self, ch: Channel | None, kind: int, msg_id: int, meta: Any, frames: list) -> None:
         """One message from ``ch`` (None: from ourselves), on the loop's thread."""
+        self._n_msgs += kind >= wire.FIRST_APP_KIND or kind == wire.RESPONSE
         if kind >= wire.FIRST_APP_KIND:
             try:
                 self._on_message(ch.id if ch is not None else self._id, kind, msg_id, meta, frames)

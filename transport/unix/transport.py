@@ -195,6 +195,9 @@ class UnixTransport:
         spin_us = ex.get("own_read_spin_us", os.environ.get("RREFRT_OWN_SPIN_US"))
         if spin_us is not None:  # NOTE [Own reads] (7) in receiver.py; 0 turns the spin off
             self._rx.spin = max(0.0, float(spin_us)) * 1e-6
+        rx_spin_us = ex.get("rx_spin_us", os.environ.get("RREFRT_RX_SPIN_US"))
+        if rx_spin_us is not None:  # NOTE [Receiver spin] in receiver.py; 0 turns it off
+            self._rx.rx_spin = max(0.0, float(rx_spin_us)) * 1e-6
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._acceptor: Acceptor | None = None
