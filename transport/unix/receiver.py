@@ -176,8 +176,8 @@ class Receiver:
         #: NOTE [Receiver spin]: seconds the loop polls before it sleeps (0: never), and its
         #: pause after misses in a row
         self.rx_spin = RX_SPIN
-        self._rx_misses = 0
-        self._rx_skip = 0
+        self.spin_misses = 0
+        self.spin_skip = 0
         #: when the loop last read a call or an answer, and the time since the time before;
         #: ``_n_msgs`` counts the calls and answers dispatched on this thread
         self._rx_last = 0.0
@@ -218,10 +218,12 @@ class Receiver:
                     timeout = 0.0
                 ready = None
                 if timeout > 0.0 and self.rx_spin and self._rx_gap <= 2.0 * self.rx_spin:
-                    if self._rx_skip:
-                        self._rx_skip -= 1
+                    if self.spin_skip:
+                        self.spin_skip -= 1
                     else:
-                        ready = self._rx_spin_poll(min(self.rx_spin, timeout))
+                        self._stats["rx_spins"] += 1
+                        ready = _spin(self, lambda: poller.poll(0.0), min(self.rx_spin, timeout), True,
+                                      self._stats, "rx_spin")
                         if not ready:
                             timeout = max(0.0, due - _now())
                 for fd, data, events in ready or poller.poll(timeout):
@@ -252,28 +254,6 @@ class Receiver:
             log.exception("receiver thread of %r crashed", self.name)
         finally:
             host.shutdown()
-
-    def _rx_spin_poll(self, spin: float) -> list:
-        """NOTE [Receiver spin]: poll every watched fd without sleeping for up to ``spin``
-        seconds; what became ready, or [] (a miss; SPIN_MISSES in a row pause it)."""
-        poller = self.poller
-        self._stats["rx_spins"] += 1
-        end = _now() + spin
-        while True:
-            ready = poller.poll(0.0)
-            if ready:
-                self._rx_misses = 0
-                self._stats["rx_spin_hits"] += 1
-                return ready
-            if _now() >= end:
-                break
-            os.sched_yield()  # a thread of ours that this core should run (the pool's) goes first
-        self._rx_misses += 1
-        if self._rx_misses >= SPIN_MISSES:
-            self._rx_misses = 0
-            self._rx_skip = SPIN_PAUSE
-            self._stats["rx_spin_pauses"] += 1
-        return []
 
     def _writable(self, ch: Channel) -> None:
         ch.want_write = False
@@ -405,7 +385,7 @@ class Receiver:
             if left <= 0:
                 return False
             if spin:  # (7): one spin per wait, before its first sleep
-                caught = self._spin(ch, poll, spin)
+                caught = _spin(ch, lambda: poll.poll(0), spin, False, self._stats, "own_read_spin")
                 spin = 0.0
                 if not caught:
                     continue
@@ -433,25 +413,6 @@ class Receiver:
                     return True
                 if ch.state is UP:
                     self.dispatch(ch, *got)
-        return False
-
-    def _spin(self, ch: Channel, poll: Any, spin: float) -> bool:
-        """NOTE [Own reads] (7): poll ``ch``'s socket without sleeping for up to ``spin``
-        seconds; True if it became readable meanwhile. Misses in a row stop the spinning
-        on ``ch`` for a while."""
-        end = _now() + spin
-        while True:
-            if poll.poll(0):
-                ch.spin_misses = 0
-                self._stats["own_read_spin_hits"] += 1
-                return True
-            if _now() >= end:
-                break
-        ch.spin_misses += 1
-        if ch.spin_misses >= SPIN_MISSES:
-            ch.spin_misses = 0
-            ch.spin_skip = SPIN_PAUSE
-            self._stats["own_read_spin_pauses"] += 1
         return False
 
     def _dispatch_handed(self, ch: Channel, items: list) -> None:
@@ -535,3 +496,29 @@ class Receiver:
         self.poller.close()
         self.bell.close()
 
+
+def _spin(holder: Any, poll_once: Callable[[], Any], spin: float, yield_core: bool, stats: Any, name: str) -> Any:
+    """NOTE [Own reads] (7), NOTE [Receiver spin]: call ``poll_once`` without sleeping for up
+    to ``spin`` seconds; its first truthy result, or a falsy one (a miss). ``holder`` (a
+    channel for a caller's spin, the receiver for the loop's) keeps ``spin_misses`` and
+    ``spin_skip``: SPIN_MISSES misses in a row set ``spin_skip`` to SPIN_PAUSE, which its
+    user counts down instead of spinning. ``yield_core``: yield the core between polls (the
+    loop's spin, whose pool thread may wait for this core). Counted in ``stats`` as
+    ``<name>_hits`` and ``<name>_pauses``."""
+    end = _now() + spin
+    while True:
+        ready = poll_once()
+        if ready:
+            holder.spin_misses = 0
+            stats[name + "_hits"] += 1
+            return ready
+        if _now() >= end:
+            break
+        if yield_core:
+            os.sched_yield()  # a thread of ours that this core should run (the pool's) goes first
+    holder.spin_misses += 1
+    if holder.spin_misses >= SPIN_MISSES:
+        holder.spin_misses = 0
+        holder.spin_skip = SPIN_PAUSE
+        stats[name + "_pauses"] += 1
+    return ready
