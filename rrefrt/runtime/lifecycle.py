@@ -32,7 +32,10 @@ AGENT_KEYS = ("messages_sent", "messages_received", "bytes_sent", "bytes_receive
               "protocol_errors", "connections_closed_by_peer",
               # NOTE [Own reads] in transport/unix/receiver.py: waits that read their own
               # answer, and those that handed a message for the loop on
-              "own_reads", "own_reads_handed")
+              "own_reads", "own_reads_handed",
+              # NOTE [Receiver spin]: the receiver loop's spins before it sleeps, those that
+              # caught a message, and the pauses after misses in a row
+              "rx_spins", "rx_spin_hits", "rx_spin_pauses")
 
 
 class Lifecycle:

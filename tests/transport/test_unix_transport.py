@@ -872,7 +872,7 @@ def test_a_lazy_connection_waits_for_a_peer_still_joining(monkeypatch: pytest.Mo
 def test_the_loops_spin_catches_a_burst_and_pauses_when_idle(spin_us: int) -> None:
     """NOTE [Receiver spin] in transport/unix/receiver.py: a loop about to sleep in a burst
     first polls for up to RX_SPIN, so the burst's requests reach it without waking it
-    (counted in ``rx_spin_hits``); waits that catch nothing SPIN_MISSES times in a row pause the spin
+    (counted in ``rx_spin_hits``), and so do a ping-pong's; waits that catch nothing SPIN_MISSES times in a row pause the spin
     (``rx_spin_pauses``), and a request after a quiet moment is no burst: no spin at all.
     Here with a 2 ms spin (so a burst within one process, whose two loops share a GIL,
     surely counts as one); ``rx_spin_us=0``: off."""
@@ -891,8 +891,22 @@ def test_the_loops_spin_catches_a_burst_and_pauses_when_idle(spin_us: int) -> No
             assert t1.stats["rx_spin_hits"] == 0 and t1.stats["rx_spin_pauses"] == 0
             return
         assert t1.stats["rx_spin_hits"] > 0, dict(t1.stats)
-        # a request after a quiet moment is no burst: the loop sleeps at once
+        # a ping-pong (one request at a time, the next sent when the answer came) is caught too
+        hits = t1.stats["rx_spin_hits"]
+        for i in range(200):
+            t0.request(1, 17, i, [], 20.0, lambda m, f, e: got.put(e))
+            assert got.get(timeout=20) is None
+        assert t1.stats["rx_spin_hits"] - hits >= 100, dict(t1.stats)
         rx = t1._rx
+        # a loop woken by something that is no call or answer, a moment after the last, sleeps at once
+        poll_for(lambda: time.monotonic() - rx._rx_last > 4 * spin_us * 1e-6, 10, "a moment")
+        spins = t1.stats["rx_spins"]
+        for _ in range(5):
+            woke = threading.Event()
+            rx.call_soon(woke.set)
+            assert woke.wait(10)
+        assert t1.stats["rx_spins"] == spins, dict(t1.stats)
+        # a request after a quiet moment is no burst: the loop sleeps at once
         poll_for(lambda: time.monotonic() - rx._rx_last > 0.05, 10, "a quiet moment")
         spins = t1.stats["rx_spins"]
         for i in range(3):

@@ -56,24 +56,32 @@ per channel:
 
 NOTE [Receiver spin]: on this kind of VM a ``sendmsg`` that wakes a thread sleeping in
 ``epoll_wait`` costs the sender about 14 us of CPU (2.3 us when the peer sleeps in
-``recv``; docs/performance.md, "Known limits"). Every request to an idle loop paid it, and
-a burst of ``rpc_async`` calls paid it per message, the loop sleeping between them.
+``recv``), and the message reaches the woken thread ~40 us later than one that polls (a
+raw two-process ping-pong: 60 us round trip when the receiver sleeps, 18.5 us when it
+polls; docs/performance.md, "Known limits"). Every request to an idle loop paid it.
 
 1. Before it sleeps, the loop polls every fd it watches without sleeping for up to
-   ``rx_spin`` (``RX_SPIN``, 50 us; ``extra["rx_spin_us"]`` or ``RREFRT_RX_SPIN_US``, 0:
+   ``rx_spin`` (``RX_SPIN``, 150 us; ``extra["rx_spin_us"]`` or ``RREFRT_RX_SPIN_US``, 0:
    off). A message that arrives meanwhile wakes nobody. Only while calls or answers come
-   in a burst: when the last two wakes that read one were at most 2 x ``rx_spin`` apart
-   (the segment releases and PINGs between them do not count). A ping-pong (the next
-   request a round trip later), a large transfer or an idle worker never spins.
+   often and one came just now: the last two wakes that read one were at most 2 x
+   ``rx_spin`` apart, and the last was at most ``rx_spin`` ago (the segment releases and
+   PINGs between them do not count). So a ping-pong of small calls (the next request
+   arrives about one caller's turn after the answer left) and a burst of ``rpc_async``
+   calls are caught by the spin; a large transfer (a round trip longer than 2 x
+   ``rx_spin``), a worker called seldom and a loop woken by a timer never spin.
 2. Between two polls it yields the core (``sched_yield``): the pool thread that runs the
    call it just handed on is usually waiting for this core, and must not wait for the spin.
 3. ``SPIN_MISSES`` spins in a row that catch nothing pause it for ``SPIN_PAUSE`` waits (as
-   a caller's spin, (7) above): an idle worker, or one whose peers call it seldom, spins
-   at most 4 times per 68 waits.
-   Measured with 2 workers pinned one per core (bench/bench_rpc.py, A/B against the loop
-   without it, 5 rounds): 1000 rpc_async calls in flight 1.55x the calls per second for
-   0.66x the CPU per call (both sides); rpc_sync, remote() + to_here(), 4 KB to 64 MB
-   round trips unchanged in latency and CPU (0.94-1.06x).
+   a caller's spin, (7) above): a caller that stops, or calls just too seldom to be
+   caught, costs at most 4 spins per 68 waits.
+   Measured with 2 workers pinned one per core (bench/bench_rpc.py, A/B against a 50 us
+   spin that caught bursts only, 3 rounds): rpc_sync no-op p50 0.61x, p99 0.59x, for 0.81x
+   the CPU per call (both sides: the caller's sendmsg no longer wakes a sleeper and its own
+   spin for the answer is shorter, which outweighs the callee's spin); remote() + to_here()
+   p50 0.67x, 4 KB round trip 0.67x, both for less CPU per call; rpc_async, 1 MB-64 MB
+   and forks (3 workers on 2 cores) unchanged. Before that, a 50 us spin for bursts only
+   (a ping-pong never spun): 1000 rpc_async calls in flight 1.55x the calls per second
+   for 0.66x the CPU per call against no spin.
 """
 
 from __future__ import annotations
@@ -104,7 +112,7 @@ OWN_READ_LIMIT = 1.0
 #: NOTE [Own reads] (7): the default spin before a caller's first sleep, seconds
 OWN_READ_SPIN = 100e-6
 #: NOTE [Receiver spin]: the default spin of the loop before it sleeps, seconds
-RX_SPIN = 50e-6
+RX_SPIN = 150e-6
 #: ... this many spins in a row that end without an answer on a channel ...
 SPIN_MISSES = 4
 #: ... stop the spinning for this many waits on that channel
@@ -217,7 +225,8 @@ class Receiver:
                 if self._calls or self._releases:
                     timeout = 0.0
                 ready = None
-                if timeout > 0.0 and self.rx_spin and self._rx_gap <= 2.0 * self.rx_spin:
+                if (timeout > 0.0 and self.rx_spin and self._rx_gap <= 2.0 * self.rx_spin
+                        and _now() - self._rx_last <= self.rx_spin):
                     if self.spin_skip:
                         self.spin_skip -= 1
                     else:
