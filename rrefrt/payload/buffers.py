@@ -302,10 +302,11 @@ _read_only_warned = False
 
 
 def _frombuffer_read_only(torch: Any, mv: memoryview) -> Any:
-    """A uint8 tensor over a read-only frame; we never write it, so torch's warning about
-    non-writable tensors is noise and is silenced, the one time torch gives it."""
+    """A uint8 tensor over a frame; when it is read-only (we never write it) torch's warning
+    about non-writable tensors is noise and is silenced, the one time torch gives it (a
+    writable frame must not count as that time: torch gave no warning for it)."""
     global _read_only_warned
-    if _read_only_warned:
+    if _read_only_warned or not mv.readonly:
         return torch.frombuffer(mv, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

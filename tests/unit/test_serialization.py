@@ -590,3 +590,27 @@ def test_only_a_plain_tensors_exact_stream_is_learned():
         stream = bytes(frames[0])
         ser.loads([stream, *[bytearray(bytes(f)) for f in frames[1:]]], [])
         assert stream not in ser._stream_keys
+
+
+_WARN_ONCE_CHECK = """
+import warnings, torch
+warnings.simplefilter("always")
+from rrefrt.payload import buffers, serialization as ser
+big = torch.arange(buffers.COPY_FRAMES_BELOW // 4 + 64, dtype=torch.float32).reshape(-1, 64).t()  # strided
+frames, _ = ser.dumps(big)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    assert torch.equal(ser.loads([bytes(frames[0]), memoryview(bytearray(frames[1]))], []), big)  # writable
+    assert torch.equal(ser.loads([bytes(frames[0]), memoryview(bytes(frames[1]))], []), big)  # read-only
+print(sorted(str(w.message)[:40] for w in seen))
+"""
+
+
+def test_no_torch_warning_for_a_read_only_frame_after_a_writable_one() -> None:
+    """A large writable frame (a shared-memory segment's) must not use up the one time the
+    read-only path silences torch's warn-once warning about non-writable buffers: the first
+    read-only frame after it would warn (in a fresh process: torch warns once per process)."""
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", _WARN_ONCE_CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
