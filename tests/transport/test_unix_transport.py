@@ -25,6 +25,7 @@ from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
 from tests.support.unix_support import Child, Group, group
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig, create
 from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, Fenced, MessageTooLarge, PeerUnavailable, RequestTimeout
+from rrefrt_transport import spin
 from rrefrt_transport.unix.transport import UnixTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -811,20 +812,18 @@ def test_the_spin_before_a_callers_sleep_pauses_when_it_does_not_pay() -> None:
     """NOTE [Own reads] (7): a caller polls for its answer up to the spin's bound before it
     sleeps; spins that end without an answer SPIN_MISSES times in a row pause the spinning
     on that channel for SPIN_PAUSE waits (a peer that answers late, or shares our core)."""
-    from rrefrt_transport.unix import receiver
-
     with group(1) as g:
         ch = g.t._peers[1]
-        for _ in range(4 * receiver.SPIN_MISSES):  # never answered: every spin misses
+        for _ in range(4 * spin.SPIN_MISSES):  # never answered: every spin misses
             _, _, err, _ = _request_and_read(g, 1, IGNORE, None, [b"x"], 0.1)
             assert isinstance(err, RequestTimeout)
             if g.t.stats["own_read_spin_pauses"]:  # (a wait that found the loop reading spins not)
                 break
-        assert g.t.stats["own_read_spin_pauses"] == 1 and ch.spin_skip == receiver.SPIN_PAUSE
+        assert g.t.stats["own_read_spin_pauses"] == 1 and ch.spin_skip == spin.SPIN_PAUSE
         reads = g.t.stats["own_reads"]
         m, f, e, _ = _request_and_read(g, 1, ECHO, "after", [b"y"], 10.0)
         assert e is None and f == [b"y"]
-        assert ch.spin_skip == receiver.SPIN_PAUSE - (g.t.stats["own_reads"] - reads)
+        assert ch.spin_skip == spin.SPIN_PAUSE - (g.t.stats["own_reads"] - reads)
         g.t._rx.spin = 0.0  # off (extra["own_read_spin_us"] = 0): no spin, still answered
         ch.spin_skip = 0
         assert _request_and_read(g, 1, ECHO, "off", [b"z"], 10.0)[2] is None
@@ -899,7 +898,7 @@ def test_the_loops_spin_catches_a_burst_and_pauses_when_idle(spin_us: int) -> No
         assert t1.stats["rx_spin_hits"] - hits >= 100, dict(t1.stats)
         rx = t1._rx
         # a loop woken by something that is no call or answer, a moment after the last, sleeps at once
-        poll_for(lambda: time.monotonic() - rx._rx_last > 4 * spin_us * 1e-6, 10, "a moment")
+        poll_for(lambda: time.monotonic() - rx.rx_spin.last > 4 * spin_us * 1e-6, 10, "a moment")
         spins = t1.stats["rx_spins"]
         for _ in range(5):
             woke = threading.Event()
@@ -907,10 +906,10 @@ def test_the_loops_spin_catches_a_burst_and_pauses_when_idle(spin_us: int) -> No
             assert woke.wait(10)
         assert t1.stats["rx_spins"] == spins, dict(t1.stats)
         # a request after a quiet moment is no burst: the loop sleeps at once
-        poll_for(lambda: time.monotonic() - rx._rx_last > 0.05, 10, "a quiet moment")
+        poll_for(lambda: time.monotonic() - rx.rx_spin.last > 0.05, 10, "a quiet moment")
         spins = t1.stats["rx_spins"]
         for i in range(3):
-            poll_for(lambda: time.monotonic() - rx._rx_last > 0.05, 10, "a quiet moment")
+            poll_for(lambda: time.monotonic() - rx.rx_spin.last > 0.05, 10, "a quiet moment")
             t0.request(1, 17, i, [], 20.0, lambda m, f, e: got.put(e))
             assert got.get(timeout=20) is None
         assert t1.stats["rx_spins"] == spins, dict(t1.stats)

@@ -46,7 +46,7 @@ per channel:
    up to ``spin`` (``OWN_READ_SPIN``, 100 us; ``extra["own_read_spin_us"]`` or
    ``RREFRT_OWN_SPIN_US``, 0: off) before it sleeps in ``poll``, once per wait. Spins that
    end without an answer ``SPIN_MISSES`` times in a row on a channel pause the spinning
-   there for ``SPIN_PAUSE`` waits, so a peer that answers late (a long call) or shares
+   there for ``SPIN_PAUSE`` waits (both in ``rrefrt_transport.spin``), so a peer that answers late (a long call) or shares
    this core (it cannot answer while we spin) costs at most 4 spins per 68 waits.
    Measured with 2 workers pinned one per core on the loaded 2-core machine (paired A/B,
    4 rounds, load average about 2): rpc_sync no-op p50 140 -> 99 us, remote() +
@@ -89,13 +89,14 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import os
 import select
 from time import monotonic as _now
 from typing import Any, Callable, Protocol
 
 from rrefrt_transport import wire
 from rrefrt_transport.base import OnMessage
+from rrefrt_transport.spin import RX_SPIN, LoopSpin
+from rrefrt_transport.spin import spin as spin_poll
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
 from rrefrt_transport.unix.channel import UP, Channel, ChannelLost
@@ -111,12 +112,6 @@ OWN_READ_SLICE = 0.02
 OWN_READ_LIMIT = 1.0
 #: NOTE [Own reads] (7): the default spin before a caller's first sleep, seconds
 OWN_READ_SPIN = 100e-6
-#: NOTE [Receiver spin]: the default spin of the loop before it sleeps, seconds
-RX_SPIN = 150e-6
-#: ... this many spins in a row that end without an answer on a channel ...
-SPIN_MISSES = 4
-#: ... stop the spinning for this many waits on that channel
-SPIN_PAUSE = 64
 #: NOTE [Own reads] (3): kinds the caller's thread handles itself
 _OWN_KINDS = frozenset({wire.RESPONSE, wire.PING, unix_wire.SHM_RELEASE, unix_wire.SHM_FORGET, unix_wire.BYE})
 LISTEN = ("listen",)  #: the poller's data of the listening socket
@@ -181,15 +176,9 @@ class Receiver:
         self.n_received = 0
         #: NOTE [Own reads] (7): seconds a caller polls before its first sleep (0: never)
         self.spin = OWN_READ_SPIN
-        #: NOTE [Receiver spin]: seconds the loop polls before it sleeps (0: never), and its
-        #: pause after misses in a row
-        self.rx_spin = RX_SPIN
-        self.spin_misses = 0
-        self.spin_skip = 0
-        #: when the loop last read a call or an answer, and the time since the time before;
-        #: ``_n_msgs`` counts the calls and answers dispatched on this thread
-        self._rx_last = 0.0
-        self._rx_gap = 1.0
+        #: NOTE [Receiver spin]: when the loop polls before it sleeps (its ``seconds``, 0:
+        #: never); it counts the calls and answers read, ``_n_msgs`` those dispatched here
+        self.rx_spin = LoopSpin(RX_SPIN)
         self._n_msgs = 0
 
     # ------------------------------------------------------------------ any thread
@@ -213,7 +202,7 @@ class Receiver:
     def serve(self) -> None:
         """Run the loop on this thread until the transport closes, then shut it down."""
         self.loop_thread = threading.get_ident()
-        host, poller, timers = self._host, self.poller, self.timers
+        host, poller, timers, rx_spin = self._host, self.poller, self.timers, self.rx_spin
         due = timers.next_due()
         try:
             while not host.closing:
@@ -224,17 +213,9 @@ class Receiver:
                     timeout = 0.0
                 if self._calls or self._releases:
                     timeout = 0.0
-                ready = None
-                if (timeout > 0.0 and self.rx_spin and self._rx_gap <= 2.0 * self.rx_spin
-                        and _now() - self._rx_last <= self.rx_spin):
-                    if self.spin_skip:
-                        self.spin_skip -= 1
-                    else:
-                        self._stats["rx_spins"] += 1
-                        ready = _spin(self, lambda: poller.poll(0.0), min(self.rx_spin, timeout), True,
-                                      self._stats, "rx_spin")
-                        if not ready:
-                            timeout = max(0.0, due - _now())
+                ready = rx_spin.before_sleep(lambda: poller.poll(0.0), timeout, self._stats, "rx_spin")
+                if ready is None and timeout:  # (a spin that missed took some of the sleep's time)
+                    timeout = max(0.0, due - _now())
                 for fd, data, events in ready or poller.poll(timeout):
                     if data is BELL:
                         self.bell.clear()
@@ -249,8 +230,7 @@ class Receiver:
                             n = self._n_msgs
                             self._read(data)
                             if self._n_msgs != n:
-                                now = _now()
-                                self._rx_gap, self._rx_last = now - self._rx_last, now
+                                rx_spin.note(_now())
                 calls = self._calls
                 while calls:
                     guard(calls.popleft())
@@ -394,7 +374,7 @@ class Receiver:
             if left <= 0:
                 return False
             if spin:  # (7): one spin per wait, before its first sleep
-                caught = _spin(ch, lambda: poll.poll(0), spin, False, self._stats, "own_read_spin")
+                caught = spin_poll(ch, lambda: poll.poll(0), spin, False, self._stats, "own_read_spin")
                 spin = 0.0
                 if not caught:
                     continue
@@ -505,29 +485,3 @@ class Receiver:
         self.poller.close()
         self.bell.close()
 
-
-def _spin(holder: Any, poll_once: Callable[[], Any], spin: float, yield_core: bool, stats: Any, name: str) -> Any:
-    """NOTE [Own reads] (7), NOTE [Receiver spin]: call ``poll_once`` without sleeping for up
-    to ``spin`` seconds; its first truthy result, or a falsy one (a miss). ``holder`` (a
-    channel for a caller's spin, the receiver for the loop's) keeps ``spin_misses`` and
-    ``spin_skip``: SPIN_MISSES misses in a row set ``spin_skip`` to SPIN_PAUSE, which its
-    user counts down instead of spinning. ``yield_core``: yield the core between polls (the
-    loop's spin, whose pool thread may wait for this core). Counted in ``stats`` as
-    ``<name>_hits`` and ``<name>_pauses``."""
-    end = _now() + spin
-    while True:
-        ready = poll_once()
-        if ready:
-            holder.spin_misses = 0
-            stats[name + "_hits"] += 1
-            return ready
-        if _now() >= end:
-            break
-        if yield_core:
-            os.sched_yield()  # a thread of ours that this core should run (the pool's) goes first
-    holder.spin_misses += 1
-    if holder.spin_misses >= SPIN_MISSES:
-        holder.spin_misses = 0
-        holder.spin_skip = SPIN_PAUSE
-        stats[name + "_pauses"] += 1
-    return ready

@@ -100,7 +100,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from rrefrt_transport import hosts, wire
+from rrefrt_transport import hosts, spin, wire
 from rrefrt_transport.base import OnDone, OnMessage, OnPeerDead, PeerAddress, PeerSpec, TransportConfig, register
 from rrefrt_transport.errors import (
     AgentClosed,
@@ -195,9 +195,7 @@ class UnixTransport:
         spin_us = ex.get("own_read_spin_us", os.environ.get("RREFRT_OWN_SPIN_US"))
         if spin_us is not None:  # NOTE [Own reads] (7) in receiver.py; 0 turns the spin off
             self._rx.spin = max(0.0, float(spin_us)) * 1e-6
-        rx_spin_us = ex.get("rx_spin_us", os.environ.get("RREFRT_RX_SPIN_US"))
-        if rx_spin_us is not None:  # NOTE [Receiver spin] in receiver.py; 0 turns it off
-            self._rx.rx_spin = max(0.0, float(rx_spin_us)) * 1e-6
+        self._rx.rx_spin.seconds = spin.configured(ex)  # NOTE [Receiver spin] in receiver.py
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._acceptor: Acceptor | None = None
