@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import os
 import time
 import weakref
 from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
@@ -135,7 +134,7 @@ class RRef(Generic[T]):
         rec = self._user_rec
         if rec is None:
             return False
-        if not rec.confirmed and rec.fork_id != rec.rref_id and rec.error is None and self._pid == os.getpid():
+        if not rec.confirmed and rec.fork_id != rec.rref_id and rec.error is None and self._pid == state.pid:
             rt = self._rt
             if not rt.closed:
                 wait_received_confirmed([self], time.monotonic() + rt.options.rpc_timeout)
@@ -184,7 +183,7 @@ class RRef(Generic[T]):
 
     # ------------------------------------------------------------------ values
     def _check(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != state.pid:
             raise ShutdownError("this RRef was inherited through fork(); it cannot be used in the child")
         rec = self._user_rec
         if rec is not None:
@@ -330,7 +329,7 @@ class RRef(Generic[T]):
 
     def __del__(self) -> None:
         rec = getattr(self, "_user_rec", None)
-        if rec is None or self._pid != os.getpid():
+        if rec is None or self._pid != state.pid:
             return
         try:
             self._rt.enqueue_drop(rec.fork_id)

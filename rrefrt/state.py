@@ -28,12 +28,23 @@ if TYPE_CHECKING:  # the types only: this leaf imports nothing above it at run t
     from rrefrt.runtime.root import Runtime
 
 _runtime: "Runtime | None" = None
+#: this process's pid, kept current in a forked child: ``os.getpid()`` is a system call, and
+#: every call asks whether the runtime was inherited (NOTE [Fork safety])
+pid = os.getpid()
+
+
+def _forked() -> None:
+    global pid
+    pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 _bound = threading.local()  #: .rt: the runtime this thread works for (NOTE [Runtime binding])
 
 
 def _here() -> Runtime | None:
     rt = getattr(_bound, "rt", None)
-    if rt is None or rt.closed or rt.pid != os.getpid():  # unbound, closed, or inherited
+    if rt is None or rt.closed or rt.pid != pid:  # unbound, closed, or inherited
         return _runtime
     return rt
 
@@ -53,7 +64,7 @@ def current() -> Runtime:
     rt = _here()
     if rt is None:
         raise ShutdownError(NOT_RUNNING)
-    if rt.pid != os.getpid():
+    if rt.pid != pid:
         raise ShutdownError(FORKED)
     return rt
 
@@ -73,12 +84,12 @@ FORKED = (
 def inherited() -> bool:
     """True in a forked child that inherited its parent's runtime (and has no own one)."""
     rt = _here()
-    return rt is not None and rt.pid != os.getpid()
+    return rt is not None and rt.pid != pid
 
 
 def current_or_none() -> Runtime | None:
     rt = _here()
-    if rt is None or rt.pid != os.getpid():
+    if rt is None or rt.pid != pid:
         return None
     return rt
 

@@ -462,6 +462,7 @@ def test_subclasses_of_atoms_still_go_through_the_pickler(monkeypatch):
     seen = []
     real = ser._Pickler
     monkeypatch.setattr(ser, "_Pickler", lambda *a, **k: seen.append(1) or real(*a, **k))
+    monkeypatch.setattr(ser._tls, "pickler", None, raising=False)  # (not this thread's kept one)
     frames, _ = ser.dumps(Tag(3))
     assert seen == [1] and pickle.loads(frames[0]) == 3
 
@@ -614,3 +615,56 @@ def test_no_torch_warning_for_a_read_only_frame_after_a_writable_one() -> None:
     out = subprocess.run([sys.executable, "-c", _WARN_ONCE_CHECK], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+class _CallsDumps:
+    """Pickled as the payload it pickles itself on the way (a nested ``dumps`` on one thread)."""
+
+    def __reduce__(self):
+        inner, _ = ser.dumps({"inner": [1, 2, 3]})
+        return (bytes, (bytes(inner[0]),))
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("no")
+
+
+def test_one_pickler_per_thread_is_reset_between_payloads() -> None:
+    """NOTE [One Pickler per thread]: a thread's Pickler serves payload after payload, each
+    the bytes a fresh Pickler writes; a payload pickled while it is busy (a __reduce__ that
+    pickles) gets its own; one that raised is not used again; threads do not share it."""
+    import io
+    import pickle as pk
+
+    def fresh(obj):
+        p = ser._Pickler(io.BytesIO(), [], None, buffers.LOCAL_ROUTE)
+        p.dump(obj)
+        return p.file.getvalue()
+
+    for obj in [("f", (1, "x"), {"k": [1, 2]}), ("f", (1, "x"), {"k": [1, 2]}), {"a": (1,)}, [None] * 3]:
+        frames, forks = ser.dumps(obj)
+        assert frames == [fresh(obj)] and forks == []
+        assert ser.loads(frames, []) == obj
+    mine = ser._tls.pickler
+    frames, _ = ser.dumps([_CallsDumps(), "after"])  # nested: the inner payload gets its own
+    out = ser.loads(frames, [])
+    assert pk.loads(out[0]) == {"inner": [1, 2, 3]} and out[1] == "after"
+    with pytest.raises(SerializationError):
+        ser.dumps([1, _Unpicklable()])
+    assert ser._tls.pickler is not mine  # the one that raised was dropped
+    assert ser.loads(ser.dumps(("ok", 1))[0], []) == ("ok", 1)
+    seen: list = []
+
+    def other() -> None:
+        ser.dumps(("t", 2))
+        seen.append(ser._tls.pickler)
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join(30)
+    assert seen and seen[0] is not ser._tls.pickler
+    t = torch.arange(12).reshape(3, 4).t()  # out-of-band frames, then none again
+    frames, _ = ser.dumps({"t": t})
+    assert len(frames) == 2 and torch.equal(ser.loads(frames, [])["t"], t)
+    assert ser.dumps({"n": 1})[0] == [fresh({"n": 1})]
