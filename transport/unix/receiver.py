@@ -43,16 +43,23 @@ per channel:
    switches per call on the caller with own reads, no latency gained); a transfer that
    large does not notice the one hand-off.
 7. A bounded spin before the first sleep: the caller polls its socket without sleeping for
-   up to ``spin`` (``OWN_READ_SPIN``, 100 us; ``extra["own_read_spin_us"]`` or
+   up to ``spin`` (``OWN_READ_SPIN``, 200 us; ``extra["own_read_spin_us"]`` or
    ``RREFRT_OWN_SPIN_US``, 0: off) before it sleeps in ``poll``, once per wait. Spins that
    end without an answer ``SPIN_MISSES`` times in a row on a channel pause the spinning
-   there for ``SPIN_PAUSE`` waits (both in ``rrefrt_transport.spin``), so a peer that answers late (a long call) or shares
-   this core (it cannot answer while we spin) costs at most 4 spins per 68 waits.
+   there for ``SPIN_PAUSE`` waits (both in ``rrefrt_transport.spin``), so a peer that
+   answers late (a long call) or shares this core (it cannot answer while we spin) costs
+   at most 4 spins per 68 waits.
    Measured with 2 workers pinned one per core on the loaded 2-core machine (paired A/B,
    4 rounds, load average about 2): rpc_sync no-op p50 140 -> 99 us, remote() +
    to_here() 191 -> 160 us, 4 KB round trip 282 -> 238 us, for 0-18% more CPU per call
    (both sides: 145 -> 171, 219 -> 259, 292 -> 287 us); with both workers on one core it
-   paused itself and cost nothing measurable (107 vs 107 us, same CPU).
+   paused itself and cost nothing measurable (107 vs 107 us, same CPU). The bound was
+   100 us until the receiver loop's spin (NOTE [Receiver spin]) brought a remote() +
+   to_here() answer to 80-95 us: answers then came just after a 100 us spin often enough
+   that 4 misses in a row paused the spin in some runs, and the 64 calls that followed
+   paid a sleep each (one such pause: p50 100 -> 119 us, p99 194 -> 270 us in a run of
+   1000). With 200 us (A/B, 7 rounds): remote() + to_here() p99 0.84x (0.42-1.04), p50,
+   rpc_sync, 4 KB and CPU per call unchanged (0.99-1.02x).
 
 NOTE [Receiver spin]: on this kind of VM a ``sendmsg`` that wakes a thread sleeping in
 ``epoll_wait`` costs the sender about 14 us of CPU (2.3 us when the peer sleeps in
@@ -111,7 +118,7 @@ OWN_READ_SLICE = 0.02
 #: ... and reads for this long at most before it waits for its future as before
 OWN_READ_LIMIT = 1.0
 #: NOTE [Own reads] (7): the default spin before a caller's first sleep, seconds
-OWN_READ_SPIN = 100e-6
+OWN_READ_SPIN = 200e-6
 #: NOTE [Own reads] (3): kinds the caller's thread handles itself
 _OWN_KINDS = frozenset({wire.RESPONSE, wire.PING, unix_wire.SHM_RELEASE, unix_wire.SHM_FORGET, unix_wire.BYE})
 LISTEN = ("listen",)  #: the poller's data of the listening socket
