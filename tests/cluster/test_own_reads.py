@@ -32,15 +32,20 @@ def _fail(x: int) -> int:
     raise ValueError(f"bad {x}")
 
 
+def _join(workers: Workers) -> None:
+    """This process joins as w0 with w1 in a subprocess (``workers``)."""
+    port = free_port()
+    opts = {"rpc_timeout": 60.0, "shutdown_timeout": 30.0}
+    workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": opts})
+    rrefrt.init_rpc("w0", rank=0, world_size=2,
+                    rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **opts))
+
+
 @pytest.mark.timeout(120)
 def test_callers_that_read_their_own_answers_get_the_same_results() -> None:
     workers = Workers()
-    port = free_port()
-    opts = {"rpc_timeout": 60.0, "shutdown_timeout": 30.0}
     try:
-        workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": opts})
-        rrefrt.init_rpc("w0", rank=0, world_size=2,
-                        rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **opts))
+        _join(workers)
         before = _own_reads()
         for i in range(50):  # (a wait that finds the loop reading the socket leaves it the answer)
             assert rrefrt.rpc_sync("w1", _square, args=(i,)) == i * i
@@ -105,12 +110,8 @@ def test_a_callees_loop_catches_a_ping_pong_in_its_spin() -> None:
     callee's loop, about to sleep after a call, polls long enough that the caller's next
     request (sent one caller's turn after the answer) reaches it without waking it."""
     workers = Workers()
-    port = free_port()
-    opts = {"rpc_timeout": 60.0, "shutdown_timeout": 30.0}
     try:
-        workers.start({"name": "w1", "rank": 1, "world_size": 2, "port": port, "options": opts})
-        rrefrt.init_rpc("w0", rank=0, world_size=2,
-                        rpc_backend_options=rrefrt.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **opts))
+        _join(workers)
         for i in range(50):  # warm: the same-host channel is up, the code paths are hot
             assert rrefrt.rpc_sync("w1", _square, args=(i,)) == i * i
         # a quiet machine catches nearly every one (2188 of 2194 spins in 2000 calls), one
