@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/lint-imports --config .importlinter >/dev/null || .venv/bin/lint-imports --config .importlinter
+# (the contracts are found in .importlinter; `--config` is deprecated)
+.venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports
 # The documentation site builds with warnings as errors (about 10 s; skipped when pytest
 # arguments select part of the suite, or with RREFRT_SKIP_DOCS=1).
 if [ "$#" -eq 0 ] && [ "${RREFRT_SKIP_DOCS:-0}" != 1 ]; then
