@@ -85,8 +85,10 @@ polls; docs/performance.md, "Known limits"). Every request to an idle loop paid 
    spin that caught bursts only, 3 rounds): rpc_sync no-op p50 0.61x, p99 0.59x, for 0.81x
    the CPU per call (both sides: the caller's sendmsg no longer wakes a sleeper and its own
    spin for the answer is shorter, which outweighs the callee's spin); remote() + to_here()
-   p50 0.67x, 4 KB round trip 0.67x, both for less CPU per call; rpc_async, 1 MB-64 MB
-   and forks (3 workers on 2 cores) unchanged. Before that, a 50 us spin for bursts only
+   p50 0.67x, 4 KB round trip 0.67x, both for less CPU per call; rpc_async and 1 MB-64 MB
+   unchanged. More workers than cores (A/B, 3 rounds): 8 workers on 2 cores, rank 0
+   calling the 7 others, 1.22x (1.07-1.23) the calls per second; user->user forks, 3
+   workers on 2 cores, 0.96x (0.93-0.97). Before that, a 50 us spin for bursts only
    (a ping-pong never spun): 1000 rpc_async calls in flight 1.55x the calls per second
    for 0.66x the CPU per call against no spin.
 """
