@@ -54,10 +54,10 @@ def spin(holder: Any, poll_once: Callable[[], Any], seconds: float, yield_core: 
     return ready
 
 
-def configured(extra: dict, default: float = RX_SPIN) -> float:
-    """A loop's spin bound in seconds: ``extra["rx_spin_us"]``, else ``RREFRT_RX_SPIN_US``,
-    else ``default``; 0 (or less) turns it off."""
-    us = extra.get("rx_spin_us", os.environ.get("RREFRT_RX_SPIN_US"))
+def configured(extra: dict, key: str, env: str, default: float) -> float:
+    """A spin's bound in seconds: ``extra[key]`` (microseconds), else the environment
+    variable ``env``, else ``default``; 0 (or less) turns it off."""
+    us = extra.get(key, os.environ.get(env))
     return default if us is None else max(0.0, float(us)) * 1e-6
 
 
@@ -80,8 +80,9 @@ class LoopSpin:
 
     def before_sleep(self, poll_once: Callable[[], Any], timeout: float, stats: Any, name: str) -> Any:
         """Before a sleep of ``timeout`` seconds: spin when due (and not paused) for up to
-        ``min(seconds, timeout)``; what ``poll_once`` found, or None (sleep now). Counted in
-        ``stats`` as ``<name>s``, ``<name>_hits`` and ``<name>_pauses``."""
+        ``min(seconds, timeout)``. None: no spin; else what ``poll_once`` last returned
+        (falsy: a miss, which took some of the sleep's time). Counted in ``stats`` as
+        ``<name>s``, ``<name>_hits`` and ``<name>_pauses``."""
         s = self.seconds
         if timeout <= 0.0 or not s or self.gap > 2.0 * s or _now() - self.last > s:
             return None
@@ -89,4 +90,4 @@ class LoopSpin:
             self.spin_skip -= 1
             return None
         stats[name + "s"] += 1
-        return spin(self, poll_once, min(s, timeout), True, stats, name) or None
+        return spin(self, poll_once, min(s, timeout), True, stats, name)

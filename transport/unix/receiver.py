@@ -212,6 +212,7 @@ class Receiver:
         """Run the loop on this thread until the transport closes, then shut it down."""
         self.loop_thread = threading.get_ident()
         host, poller, timers, rx_spin = self._host, self.poller, self.timers, self.rx_spin
+        poll_now = lambda: poller.poll(0.0)  # noqa: E731  # the spin's poll
         due = timers.next_due()
         try:
             while not host.closing:
@@ -222,8 +223,8 @@ class Receiver:
                     timeout = 0.0
                 if self._calls or self._releases:
                     timeout = 0.0
-                ready = rx_spin.before_sleep(lambda: poller.poll(0.0), timeout, self._stats, "rx_spin")
-                if ready is None and timeout:  # (a spin that missed took some of the sleep's time)
+                ready = rx_spin.before_sleep(poll_now, timeout, self._stats, "rx_spin")
+                if ready is not None and not ready:  # a spin that missed took some of the sleep's time
                     timeout = max(0.0, due - _now())
                 for fd, data, events in ready or poller.poll(timeout):
                     if data is BELL:

@@ -116,7 +116,7 @@ from rrefrt_transport.unix import wire as unix_wire
 from rrefrt_transport.unix.admit import ACCEPT_GRACE, Acceptor, connect_and_admit, host_key
 from rrefrt_transport.unix.channel import DEAD, JOINING, QUEUE_BYTES, UP, Channel
 from rrefrt_transport.unix.poller import READ, Bell
-from rrefrt_transport.unix.receiver import LISTEN, Receiver
+from rrefrt_transport.unix.receiver import LISTEN, OWN_READ_SPIN, Receiver
 from rrefrt_transport.unix.timers import Pending, Timers, guard
 
 log = logging.getLogger("rrefrt.transport")
@@ -192,10 +192,9 @@ class UnixTransport:
             self.name, self.id, self, self._peers, self._self_pending, on_message, self._timers, self._pool,
             bell, self._stats, bool(ex.get("shm_copy_out", False)),
         )
-        spin_us = ex.get("own_read_spin_us", os.environ.get("RREFRT_OWN_SPIN_US"))
-        if spin_us is not None:  # NOTE [Own reads] (7) in receiver.py; 0 turns the spin off
-            self._rx.spin = max(0.0, float(spin_us)) * 1e-6
-        self._rx.rx_spin.seconds = spin.configured(ex)  # NOTE [Receiver spin] in receiver.py
+        # NOTE [Own reads] (7) and NOTE [Receiver spin] in receiver.py; 0 turns a spin off
+        self._rx.spin = spin.configured(ex, "own_read_spin_us", "RREFRT_OWN_SPIN_US", OWN_READ_SPIN)
+        self._rx.rx_spin.seconds = spin.configured(ex, "rx_spin_us", "RREFRT_RX_SPIN_US", spin.RX_SPIN)
         self._listener: socket.socket | None = None
         self._dir: str | None = None
         self._acceptor: Acceptor | None = None
