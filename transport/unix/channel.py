@@ -229,6 +229,8 @@ class Channel:
         finally:
             with self.q_lock:
                 self.waiting -= 1
+            if (self.outq or self.cur is not None) and not self.want_write:
+                self.try_flush()  # NOTE [Flush hand-over]: the loop may have found the lock ours
         return True
 
     def write(self, bufs: list, fds: Sequence[int] = (), deadline: float | None = None) -> bool:
@@ -314,7 +316,15 @@ class Channel:
     def try_flush(self, force: bool = False) -> None:
         """Write what is queued if the send lock is free. ``force``: also when the receiver
         thread already waits for EVENT_WRITE (a sender tries the socket itself: the receiver
-        thread may be busy in a callback)."""
+        thread may be busy in a callback).
+
+        NOTE [Flush hand-over]: a full socket leaves the rest to the loop (EVENT_WRITE), but
+        the loop may take that event while this thread still holds the send lock: its own
+        flush then finds the lock taken and leaves, with ``want_write`` cleared. So a holder
+        whose drain stopped at a full socket goes round again once it released the lock if
+        ``want_write`` was cleared meanwhile: either the socket takes bytes now, or the drain
+        asks for EVENT_WRITE anew (found with 64 MB inline messages over TCP: a request
+        stranded in the queue with no thread left to write it)."""
         while (self.outq or self.cur is not None) and (force or not self.want_write) and self.state is UP:
             if not self.send_lock.acquire(blocking=False):
                 return  # its holder re-checks the queue after releasing
@@ -322,8 +332,9 @@ class Channel:
                 emptied = self.drain()
             finally:
                 self.send_lock.release()
-            if not emptied:
+            if not emptied and (self.want_write or self.state is not UP):
                 return  # the socket is full (EVENT_WRITE is asked for) or broke (declared dead)
+            force = False  # round again only while nobody waits for EVENT_WRITE
 
     def drain(self) -> bool:
         """Write queued messages (send lock held) until the queue is empty (True) or the
