@@ -1,4 +1,4 @@
-"""The composite transport: same-host peers over AF_UNIX, every other peer over an inner one.
+"""The composite transport: same-host peers over AF_UNIX, the others over a TCP stream or an inner one.
 
 Owns: the choice, per peer, of the path a message takes, and the merging of what the two
 transports report. Registered as ``"auto"``.
@@ -36,6 +36,17 @@ Rules:
    connections] in rrefrt_transport.unix.transport); the higher id of a pair asks the lower
    one to connect with an UNIX_CONNECT message over the inner transport, which this
    transport takes before the runtime sees it.
+8. The tcp stream plane (NOTE [Tcp stream plane] in rrefrt_transport.unix.transport) carries
+   the traffic to every peer not reached over the same-host one iff both published a
+   ``"stream"`` endpoint: every worker does unless the job has a secret (the plane does not
+   encrypt; zmq's CURVE does), ``extra["stream"]`` is False or ``RREFRT_TCP_STREAM=0``. Both
+   sides decide from the published addresses alone, as in Rule 2 (a peer that could be
+   reached over the same-host plane never goes over the stream plane, whether or not its
+   same-host join succeeded). It connects lazily (Rule 7, the inner transport carrying
+   UNIX_CONNECT ["stream"]); its requests are tagged ``STREAM_TAG`` (Rule 5); a closed
+   connection (a protocol error, an EOF or a reset without BYE) sends that peer through
+   the inner transport from then on (Rule 6); silence is judged by the inner transport
+   (Rule 3). So the inner transport carries the join, liveness and what the planes do not.
 4. If the unix join fails for a reason other than authentication (the socket path is not
    reachable from the peer, e.g. another mount namespace), the whole group falls back to the
    inner transport for this worker after logging why; an authentication failure fails the
@@ -66,13 +77,30 @@ log = logging.getLogger("rrefrt.transport")
 
 #: Rule 5: set in the msg_id of a request that arrived over the same-host path
 LOCAL_TAG = 1 << 62
+#: Rule 5: set in the msg_id of a request that arrived over the tcp stream plane (Rule 8)
+STREAM_TAG = 1 << 61
 
 
-def _tagging(on_message: OnMessage) -> OnMessage:
+def _tagging(on_message: OnMessage, tag: int = LOCAL_TAG) -> OnMessage:
     def tagged(src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
-        on_message(src, kind, msg_id | LOCAL_TAG if msg_id else 0, meta, frames)
+        on_message(src, kind, msg_id | tag if msg_id else 0, meta, frames)
 
     return tagged
+
+
+def _on(value: Any) -> bool:
+    return str(value).strip().lower() not in ("0", "false", "no", "off")
+
+
+def stream_enabled(config: TransportConfig) -> bool:
+    """Rule 8: the tcp stream plane is used unless the job has a secret (its traffic would
+    not be encrypted: zmq's CURVE carries it), ``extra["stream"]`` is False or
+    RREFRT_TCP_STREAM=0."""
+    return (
+        config.secret is None
+        and _on(config.extra.get("stream", True))
+        and _on(os.environ.get("RREFRT_TCP_STREAM", "1"))
+    )
 
 
 def same_host_enabled(config: TransportConfig) -> bool:
@@ -105,6 +133,18 @@ class AutoTransport:
             self.local.on_verdict = self._spread
             self.local.on_connect_wanted = self._ask_connect
         self._local_ids: frozenset[int] = frozenset()
+        #: Rule 8: the tcp stream plane, for the peers not reached over the same-host one
+        self.stream: UnixTransport | None = (
+            UnixTransport(config, _tagging(on_message, STREAM_TAG), self._died, plane="stream")
+            if stream_enabled(config) else None
+        )
+        if self.stream is not None:
+            self.stream.judge_silence = False
+            self.stream.on_closed = self._stream_closed
+            self.stream.on_verdict = self._spread
+            self.stream.on_connect_wanted = self._ask_stream_connect
+        self._stream_ids: frozenset[int] = frozenset()
+        self._closed_streams: set[int] = set()
         #: peers whose same-host connection was closed after a protocol error (Rule 6): never
         #: routed locally again, also when that happened before the join returned
         self._closed_paths: set[int] = set()
@@ -115,27 +155,31 @@ class AutoTransport:
     # ------------------------------------------------------------------ setup
     def listen(self) -> PeerAddress:
         addr = self.inner.listen()
-        if self.local is None:
-            return addr
-        la = self.local.listen()
-        return PeerAddress(addr.host, {**addr.endpoints, **la.endpoints})
+        endpoints = dict(addr.endpoints)
+        for plane in (self.local, self.stream):
+            if plane is not None:
+                endpoints.update(plane.listen().endpoints)
+        return PeerAddress(addr.host, endpoints)
 
     def start(self) -> None:
         self.inner.start()
-        if self.local is not None:
-            self.local.start()
+        for plane in (self.local, self.stream):
+            if plane is not None:
+                plane.start()
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self.inner.connect_peers(peers, timeout)
-        if self.local is None:
-            return
         key = host_key()
         local = [
             p for p in peers
             if p.id != self.id and p.address.endpoints.get("unix-host") == key and "unix" in p.address.endpoints
-        ]
-        if not local:
+        ] if self.local is not None else []
+        if self.stream is not None:
+            near = {p.id for p in local}  # decided from published addresses alone, as the peer decides
+            self._join_stream([p for p in peers if p.id != self.id and p.id not in near
+                               and "stream" in p.address.endpoints], deadline)
+        if not local or self.local is None:
             return
         try:
             self.local.connect_peers(local, max(1.0, deadline - time.monotonic()))
@@ -150,6 +194,24 @@ class AutoTransport:
         with self._dead_lock:
             self._local_ids = frozenset(p.id for p in local) - self._closed_paths
 
+    def _join_stream(self, remote: list[PeerSpec], deadline: float) -> None:
+        """Rule 8: join the tcp stream plane with ``remote`` (lazily: nothing is connected yet)."""
+        stream = self.stream
+        if not remote or stream is None:
+            return
+        try:
+            stream.connect_peers(remote, max(1.0, deadline - time.monotonic()))
+        except AuthenticationFailed:
+            raise
+        except TransportError as e:
+            log.warning("worker %r: the tcp stream plane is not used (%s); peers on other hosts go through %s",
+                        self.name, e, type(self.inner).__name__)
+            stream.close(1.0)
+            self.stream = None
+            return
+        with self._dead_lock:
+            self._stream_ids = frozenset(p.id for p in remote) - self._closed_streams
+
     def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Dynamic groups: peers met after the join go through the inner transport only
         (the same-host plane is formed once, at the join; docs/dynamic-groups.md)."""
@@ -157,12 +219,15 @@ class AutoTransport:
         with self._dead_lock:
             self._dead.difference_update(ids)  # a departed id may come back
         self._local_ids = self._local_ids - ids
+        self._stream_ids = self._stream_ids - ids
         self.inner.add_peers(peers, timeout)
 
     def remove_peer(self, peer_id: int, cause: str) -> None:
         """Dynamic groups: both paths drop ``peer_id``; ``on_peer_dead`` runs once (``_died``)."""
         if self.local is not None and peer_id in self._local_ids:
             self.local.remove_peer(peer_id, cause)
+        if self.stream is not None and peer_id in self._stream_ids:
+            self.stream.remove_peer(peer_id, cause)
         self.inner.remove_peer(peer_id, cause)
 
     # ------------------------------------------------------------------ lazy same-host connections
@@ -171,11 +236,15 @@ class AutoTransport:
         over the inner transport, to connect (NOTE [Lazy same-host connections])."""
         self.inner.send(peer_id, wire.UNIX_CONNECT, None)
 
+    def _ask_stream_connect(self, peer_id: int) -> None:
+        """The same for the tcp stream plane (Rule 8)."""
+        self.inner.send(peer_id, wire.UNIX_CONNECT, "stream")
+
     def _inner_message(self, src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
         if kind == wire.UNIX_CONNECT:
-            local = self.local
-            if local is not None:
-                local.connect_wanted(src)
+            plane = self.stream if meta == "stream" else self.local
+            if plane is not None:
+                plane.connect_wanted(src)
             return
         self._on_message(src, kind, msg_id, meta, frames)
 
@@ -186,6 +255,11 @@ class AutoTransport:
             if dest not in self._watched:
                 self._watch(dest)
             return local  # type: ignore[return-value]
+        stream = self.stream
+        if stream is not None and dest in self._stream_ids:
+            if dest not in self._watched:
+                self._watch(dest)
+            return stream  # type: ignore[return-value]
         return self.inner
 
     def _watch(self, dest: int) -> None:
@@ -209,6 +283,10 @@ class AutoTransport:
             if dest not in self._watched:
                 self._watch(dest)
             self.local.respond(dest, msg_id & ~LOCAL_TAG, meta, frames, label)
+        elif msg_id & STREAM_TAG and self.stream is not None:
+            if dest not in self._watched:
+                self._watch(dest)
+            self.stream.respond(dest, msg_id & ~STREAM_TAG, meta, frames, label)
         else:
             self.inner.respond(dest, msg_id, meta, frames, label)
 
@@ -221,8 +299,9 @@ class AutoTransport:
             if peer_id in self._dead:
                 return
             self._dead.add(peer_id)
-        if self.local is not None:  # whoever saw it first, both paths fence it
-            self.local.declare_dead(peer_id, cause)
+        for plane in (self.local, self.stream):  # whoever saw it first, every path fences it
+            if plane is not None:
+                plane.declare_dead(peer_id, cause)
         self._on_peer_dead(peer_id, cause)
 
     def _spread(self, peer_id: int, cause: str) -> None:
@@ -243,11 +322,25 @@ class AutoTransport:
         log.info("worker %r: worker %r is reached through %s from now on (%s)",
                  self.name, self.inner.peer_name(peer_id), type(self.inner).__name__, cause)
 
+    def _stream_closed(self, peer_id: int, cause: str) -> None:
+        """Rules 6 and 8: the tcp stream connection with ``peer_id`` closed (a protocol
+        error, a reset, an EOF without BYE); the peer goes through the inner transport from
+        now on, whose liveness alone judges it."""
+        with self._dead_lock:
+            self._closed_streams.add(peer_id)
+            self._stream_ids = self._stream_ids - {peer_id}
+        log.info("worker %r: worker %r is reached through %s from now on (%s)",
+                 self.name, self.inner.peer_name(peer_id), type(self.inner).__name__, cause)
+
     def read_until(self, dest: int, done: Callable[[], bool], timeout: float | None) -> None:
         """NOTE [Own reads] in transport/unix/receiver.py: only over the same-host path."""
         local = self.local
         if local is not None and dest in self._local_ids:
             local.read_until(dest, done, timeout)
+            return
+        stream = self.stream
+        if stream is not None and dest in self._stream_ids:
+            stream.read_until(dest, done, timeout)
 
     def is_alive(self, peer_id: int) -> bool:
         return peer_id not in self._dead and self._via(peer_id).is_alive(peer_id) and self.inner.is_alive(peer_id)
@@ -258,10 +351,15 @@ class AutoTransport:
     def uses_same_host_path(self, peer_id: int) -> bool:
         return self.local is not None and peer_id in self._local_ids
 
+    def uses_stream_path(self, peer_id: int) -> bool:
+        """Rule 8: ``peer_id`` is reached over the tcp stream plane."""
+        return self.stream is not None and peer_id in self._stream_ids
+
     def dead_peers(self) -> set[int]:
         dead = set(self._dead) | self.inner.dead_peers()
-        if self.local is not None:
-            dead |= self.local.dead_peers()
+        for plane in (self.local, self.stream):
+            if plane is not None:
+                dead |= plane.dead_peers()
         return dead
 
     def peer_name(self, peer_id: int) -> str:
@@ -269,16 +367,18 @@ class AutoTransport:
 
     def pending_per_peer(self) -> dict[str, int]:
         out = collections.Counter(self.inner.pending_per_peer())
-        if self.local is not None:
-            out.update(self.local.pending_per_peer())
+        for plane in (self.local, self.stream):
+            if plane is not None:
+                out.update(plane.pending_per_peer())
         return dict(out)
 
     @property
     def stats(self) -> collections.Counter:  # type: ignore[override]
         """Both transports' counters added up (a fresh Counter: read it, do not update it)."""
         total = collections.Counter(self.inner.stats)
-        if self.local is not None:
-            total.update(self.local.stats)
+        for plane in (self.local, self.stream):
+            if plane is not None:
+                total.update(plane.stats)
         return total
 
     @property
@@ -289,12 +389,14 @@ class AutoTransport:
     def fault_hook(self, hook: Any) -> None:
         self._hook = hook
         self.inner.fault_hook = hook
-        if self.local is not None:
-            self.local.fault_hook = hook
+        for plane in (self.local, self.stream):
+            if plane is not None:
+                plane.fault_hook = hook
 
     def close(self, timeout: float = 2.0) -> None:
-        if self.local is not None:
-            self.local.close(timeout / 2)
+        planes = [p for p in (self.local, self.stream) if p is not None]
+        for plane in planes:
+            plane.close(timeout / 2 / len(planes))
         self.inner.close(timeout / 2)
 
 

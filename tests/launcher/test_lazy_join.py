@@ -34,27 +34,31 @@ def neighbours(r: dict) -> set[int]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("same_host", ["1", "0"], ids=["auto", "zmq-only"])
+@pytest.mark.parametrize("same_host", ["1", "0"], ids=["auto", "tcp-only"])
 def test_workers_that_call_their_neighbour_connect_to_their_neighbours_only(same_host: str) -> None:
     """16 workers, each calling rank + 1: after init a worker has a data pipe with at most
     its two ring neighbours (the join's fan-out of one), and after its calls still; its
     liveness watches those only, and its same-host connections too (none made by init_rpc). Its
     descriptors do not grow with the group: at most those of its two neighbours'
-    connections over a 2-worker job's."""
+    connections over a 2-worker job's. (rrefrt-run gives a one-node job a secret, so the tcp
+    stream plane, off with a secret, makes no connection here: tests/cluster/test_stream_plane.py.)"""
     rows, took = run_job(16, {"RREFRT_SAME_HOST": same_host}, 150)
     for r in rows:
         for when in ("init", "calls"):
             assert set(r[when]["pipes"]) <= neighbours(r), r
             assert set(r[when]["unix"]) <= neighbours(r), r  # NOTE [Lazy same-host connections]
+            assert set(r[when]["stream"]) <= neighbours(r), r
+            assert not (r[when]["unix"] if same_host == "0" else r[when]["stream"]), r  # one plane per pair
             assert r[when]["watched"] <= 2, r
         # init_rpc made no same-host connection: at most the one its caller (rank - 1) made since
         assert set(r["init"]["unix"]) <= {(r["rank"] - 1) % r["size"]}, r
+        assert set(r["init"]["stream"]) <= {(r["rank"] - 1) % r["size"]}, r
     small, _ = run_job(2, {"RREFRT_SAME_HOST": same_host}, 60)
     base = max(r["calls"]["fds"] for r in small)
     # per peer talked to: data, heartbeat and echo connections each way (<= 8 descriptors),
-    # and a same-host connection
+    # and a same-host (or stream) connection
     assert max(r["calls"]["fds"] for r in rows) <= base + 18, (base, [r["calls"]["fds"] for r in rows])
-    print(f"\n16 workers ({'auto' if same_host == '1' else 'zmq only'}): job {took:.1f}s, init median "
+    print(f"\n16 workers ({'auto' if same_host == '1' else 'tcp only'}): job {took:.1f}s, init median "
           f"{sorted(r['init_s'] for r in rows)[8]:.2f}s, fds after calls {sorted(r['calls']['fds'] for r in rows)}")
 
 

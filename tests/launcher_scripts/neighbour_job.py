@@ -16,9 +16,11 @@ def counts() -> dict:
     t = state.current_or_none().transport
     inner = getattr(t, "inner", t)
     local = getattr(t, "local", None)
+    stream = getattr(t, "stream", None)
     return {"fds": len(os.listdir("/proc/self/fd")), "pipes": sorted(inner.connected_peers()),
             "watched": int(inner.stats["peers_watched"]),
-            "unix": sorted(local.connected_peers()) if local is not None else []}
+            "unix": sorted(local.connected_peers()) if local is not None else [],
+            "stream": sorted(stream.connected_peers()) if stream is not None else []}
 
 
 def main() -> int:

@@ -73,7 +73,7 @@ class Group:
     ) -> list[dict]:
         """Start n children and join; return each child's join event (ready or error)."""
         inc = random.getrandbits(62)
-        extra = {k: kw.pop(k) for k in ("shm_threshold", "shm_copy_out", "auto_inner", "unix_queue_bytes") if k in kw}
+        extra = {k: kw.pop(k) for k in ("shm_threshold", "shm_copy_out", "auto_inner", "unix_queue_bytes", "stream") if k in kw}
         kind = kw.pop("kind", "unix")
         cfg = TransportConfig(worker_id=0, name="w0", incarnation=inc, kind=kind,
                               secret=secret.encode() if secret else None, extra=extra, **kw)

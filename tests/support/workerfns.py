@@ -400,6 +400,12 @@ def same_host_connections() -> list[int]:
     return sorted(local.connected_peers()) if local is not None else []
 
 
+def stream_connections() -> list[int]:
+    """The peers this worker has a tcp stream connection with now (transport/auto.py, Rule 8)."""
+    stream = getattr(rrefrt.state.current().transport, "stream", None)
+    return sorted(stream.connected_peers()) if stream is not None else []
+
+
 def arrive(i: int) -> int:
     _arrivals.append(i)
     return i

@@ -86,7 +86,8 @@ def main() -> None:
         worker_id=cfg["id"], name=cfg["name"], incarnation=inc, kind=cfg.get("kind", "unix"),
         secret=secret.encode() if secret else None,
         heartbeat_interval=cfg.get("hb_interval", 1.0), heartbeat_timeout=cfg.get("hb_timeout", 3.0),
-        extra={k: cfg[k] for k in ("shm_threshold", "shm_copy_out", "auto_inner", "unix_queue_bytes") if k in cfg},
+        extra={k: cfg[k] for k in ("shm_threshold", "shm_copy_out", "auto_inner", "unix_queue_bytes", "stream")
+               if k in cfg},
         **({"max_message_size": cfg["max_message_size"]} if "max_message_size" in cfg else {}),
     )
     t = create(tc, on_message, on_peer_dead)

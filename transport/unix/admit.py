@@ -65,26 +65,53 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return buf
 
 
+def split_stream_endpoint(ep: str) -> tuple[int, tuple[str, int]]:
+    """``"host:port"`` (``"[v6]:port"``) of a tcp stream endpoint -> (address family, sockaddr)."""
+    host, _, port = ep.rpartition(":")
+    if host.startswith("["):
+        return socket.AF_INET6, (host[1:-1], int(port))
+    return socket.AF_INET, (host, int(port))
+
+
+def stream_endpoint(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
+
+
 def connect_and_admit(
-    spec: PeerSpec, my_id: int, my_inc: int, my_limit: int, secret: bytes | None, timeout: float
+    spec: PeerSpec, my_id: int, my_inc: int, my_limit: int, secret: bytes | None, timeout: float,
+    key: str = "unix",
 ) -> tuple[socket.socket, int]:
-    """Connect to ``spec``'s unix endpoint and pass its admission; return the socket and the
-    peer's ``max_message_size`` (its WELCOME)."""
-    path = spec.address.endpoints.get("unix")
+    """Connect to ``spec``'s ``key`` endpoint ("unix": its same-host socket, "stream": its tcp
+    stream endpoint) and pass its admission; return the socket and the peer's
+    ``max_message_size`` (its WELCOME)."""
+    path = spec.address.endpoints.get(key)
+    plane = "same-host" if key == "unix" else "tcp stream"
     if not path:
-        raise TransportError(f"worker {spec.name!r} published no same-host (unix) endpoint")
+        raise TransportError(f"worker {spec.name!r} published no {plane} ({key}) endpoint")
     deadline = time.monotonic() + timeout
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     stage = "connect"
     try:
+        if key == "unix":
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            addr: Any = path
+        else:
+            family, addr = split_stream_endpoint(path)
+            s = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    except (OSError, ValueError) as e:
+        raise TransportError(f"could not join worker {spec.name!r} over its {plane} endpoint {path}: {e}") from None
+    try:
         s.settimeout(max(0.001, timeout))
-        s.connect(path)
-        _, uid, _ = peer_cred(s)
-        if uid != os.getuid():
-            raise AuthenticationFailed(
-                f"the same-host socket of worker {spec.name!r} ({path}) belongs to uid {uid}, not ours ({os.getuid()})",
-                [spec.name],
-            )
+        s.connect(addr)
+        if key == "unix":
+            _, uid, _ = peer_cred(s)
+            if uid != os.getuid():
+                raise AuthenticationFailed(
+                    f"the same-host socket of worker {spec.name!r} ({path}) belongs to uid {uid}, not ours ({os.getuid()})",
+                    [spec.name],
+                )
+        else:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rec, nonce_c = uw.hello(my_id, my_inc, my_limit)
         s.sendall(rec)
         stage = "welcome"
@@ -92,13 +119,13 @@ def connect_and_admit(
         wid, inc, limit, nonce_s = uw.parse_id(raw)
         if wid != spec.id or inc != spec.incarnation:
             raise TransportError(
-                f"the same-host socket {path} answered as worker id {wid} (incarnation {inc}), "
+                f"the {plane} endpoint {path} answered as worker id {wid} (incarnation {inc}), "
                 f"not as {spec.name!r} (id {spec.id}, incarnation {spec.incarnation})"
             )
         ids = ((my_id, my_inc, my_limit), (spec.id, spec.incarnation, limit))
         if not hmac.compare_digest(raw[uw.HELLO_LEN :], uw.mac(secret, "acceptor", nonce_c, nonce_s, *ids)):
             raise AuthenticationFailed(
-                f"worker {spec.name!r} failed the same-host challenge (it holds a different job secret, "
+                f"worker {spec.name!r} failed the {plane} challenge (it holds a different job secret, "
                 "or only one side has one): start every worker with the same RREFRT_SECRET",
                 [spec.name],
             )
@@ -115,10 +142,10 @@ def connect_and_admit(
         s.close()
         if stage == "admit":
             raise AuthenticationFailed(
-                f"worker {spec.name!r} refused our same-host proof (a different job secret?): {e}", [spec.name]
+                f"worker {spec.name!r} refused our {plane} proof (a different job secret?): {e}", [spec.name]
             ) from None
         raise TransportError(
-            f"could not join worker {spec.name!r} over its same-host socket {path} ({stage}): {e or type(e).__name__}"
+            f"could not join worker {spec.name!r} over its {plane} endpoint {path} ({stage}): {e or type(e).__name__}"
         ) from None
 
 
@@ -148,25 +175,31 @@ class Acceptor:
     admitted: set[int] = field(default_factory=set)
     #: peer id -> when a connection claiming it first failed the challenge (read by the join)
     failed: dict[int, float] = field(default_factory=dict)
+    plane: str = "same-host"  #: or "tcp stream" (for what it logs)
 
     def set_group(self, group: dict[int, PeerSpec]) -> None:
         self.group = group
 
     def accept(self, listener: socket.socket) -> list[socket.socket]:
-        """Accept waiting connections whose uid is ours; return them (to be watched)."""
+        """Accept waiting connections (on a unix socket: those whose uid is ours); return
+        them (to be watched)."""
         out = []
+        unix = listener.family == socket.AF_UNIX
         while True:
             try:
                 s, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return out
             except OSError as e:
-                log.warning("accept failed on a same-host socket: %s", e)
+                log.warning("accept failed on a %s socket: %s", "same-host" if unix else "tcp stream", e)
                 return out
-            _, uid, _ = peer_cred(s)
-            if uid != os.getuid():
-                self._refuse(s, f"uid {uid} is not ours")
-                continue
+            if unix:
+                _, uid, _ = peer_cred(s)
+                if uid != os.getuid():
+                    self._refuse(s, f"uid {uid} is not ours")
+                    continue
+            else:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setblocking(False)
             self.conns[s.fileno()] = _Conn(s, time.monotonic())
             out.append(s)
@@ -175,7 +208,7 @@ class Acceptor:
         self.stats["unix_refused"] += 1
         n = self.stats["unix_refused"]
         if n & (n - 1) == 0:
-            log.warning("worker id %d refused a same-host connection: %s (%d refused so far)", self.my_id, why, n)
+            log.warning("worker id %d refused a %s connection: %s (%d refused so far)", self.my_id, self.plane, why, n)
         if close:
             s.close()
 

@@ -299,6 +299,7 @@ class Channel:
                 rest = _advance(rest, n)
         if not rest:
             return True
+        self._stats["writes_left_to_loop"] += 1
         rest = [v if _immutable(v) else bytes(v) for v in rest]
         size = sum(len(v) for v in rest)
         with self.q_lock:

@@ -1,0 +1,122 @@
+"""The tcp stream plane (NOTE [Tcp stream plane] in transport/unix/transport.py) with real
+processes over real TCP sockets on 127.0.0.1: alone (kind "stream") and inside the
+composite transport (transport/auto.py, Rule 8). This process is worker 0;
+tests/transport_helpers/unix_peer.py children are the others (killed by pid at the end of
+every test)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import queue
+import time
+
+import pytest
+
+from tests.support import poll_for
+from tests.support.unix_support import group
+from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
+from rrefrt_transport.errors import AuthenticationFailed, PeerUnavailable
+from rrefrt_transport.unix import wire as unix_wire
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _address(frame: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(frame))
+
+
+def test_the_stream_plane_carries_small_and_large_messages_over_tcp() -> None:
+    with group(1, kind="stream") as g:
+        assert g.joined == [{"event": "ready"}] and g.join_error is None
+        assert ":" in g.children[0].hello["address"]["endpoints"]["stream"]
+        meta, frames, err = g.call(1, ECHO, {"k": [1, "x"]}, [b"a", b"", b"ccc"])
+        assert err is None and meta == {"k": [1, "x"]} and [bytes(f) for f in frames] == [b"a", b"", b"ccc"]
+        mid = pattern(200 << 10)  # a body read out of the reader's buffer
+        meta, frames, err = g.call(1, ECHO, "mid", [b"h", mid])
+        assert err is None and bytes(frames[1]) == mid
+        stats = g.t.stats
+        assert stats["messages_sent"] >= 2 and not stats["shm_frames_sent"], "no shared memory over tcp"
+
+
+def test_a_large_body_is_read_into_an_aligned_mapping_that_is_reused_once_its_frames_are_gone() -> None:
+    """NOTE [Large bodies]: the largest frame starts on a 64-byte boundary (a tensor is rebuilt
+    over it without a copy) and the mapping goes back to the pool when the frames go."""
+    n = 40 << 20
+    with group(1, kind="stream") as g:
+        reused = unix_wire.BODIES.reused
+        for i in range(3):
+            meta, frames, err = g.call(1, BIG, {"n": n}, [], timeout=30)
+            assert err is None and len(frames) == 1 and frames[0].nbytes == n
+            assert not frames[0].readonly and _address(frames[0]) % 64 == 0
+            assert bytes(frames[0][:1000]) == pattern(1000)
+            del frames, meta
+            gc.collect()
+        assert unix_wire.BODIES.reused >= reused + 2, "the second and third bodies reuse a mapping"
+        # a header of another length: the largest frame is still aligned
+        meta, frames, err = g.call(1, ECHO, {"pad": "x" * 37}, [b"p" * 3, pattern(n)], timeout=30)
+        assert err is None and _address(frames[1]) % 64 == 0 and bytes(frames[1][-100:]) == pattern(n)[-100:]
+
+
+def test_an_eof_closes_the_stream_connection_without_judging_the_peer() -> None:
+    """A reset may come from the network: the requests waiting on the connection fail at
+    once, naming the cause, and the peer is not declared dead by the stream plane."""
+    with group(1, kind="stream", heartbeat_interval=0.5, heartbeat_timeout=30.0) as g:
+        errors: queue.Queue = queue.Queue()
+        g.t.request(1, IGNORE, None, [b"x"], 60.0, lambda m, f, e: errors.put(e))
+        poll_for(lambda: g.t.stats["messages_sent"] >= 1, 5, "the request is written")
+        t0 = time.monotonic()
+        g.children[0].kill()
+        err = errors.get(timeout=5)
+        assert time.monotonic() - t0 < 2.0
+        assert isinstance(err, PeerUnavailable) and "w1" in str(err) and "tcp stream connection was closed" in str(err)
+        assert g.t.stats["connections_lost"] == 1
+        assert g.dead.empty() and 1 not in g.t.dead_peers(), "the stream plane alone judges nobody dead"
+        g.t.request(1, ECHO, None, [], 5.0, lambda m, f, e: errors.put(e))
+        assert isinstance(errors.get(timeout=5), PeerUnavailable), "the closed connection stays closed"
+
+
+def test_a_different_secret_is_refused_over_the_stream_plane() -> None:
+    with group(1, kind="stream", secret="ours", child_secret="theirs") as g:
+        assert isinstance(g.join_error, AuthenticationFailed)
+
+
+def test_the_stream_plane_is_off_with_a_secret_or_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule 8: it does not encrypt, so a job with a secret keeps every byte on zmq's CURVE."""
+    from rrefrt_transport.auto import stream_enabled
+    from rrefrt_transport.base import TransportConfig
+
+    monkeypatch.delenv("RREFRT_TCP_STREAM", raising=False)
+    assert stream_enabled(TransportConfig(0, "a", 1))
+    assert not stream_enabled(TransportConfig(0, "a", 1, secret=b"s"))
+    assert not stream_enabled(TransportConfig(0, "a", 1, extra={"stream": False}))
+    monkeypatch.setenv("RREFRT_TCP_STREAM", "off")
+    assert not stream_enabled(TransportConfig(0, "a", 1))
+
+
+@pytest.mark.parametrize("how", ["default", "env_off", "extra_off"])
+def test_auto_sends_peers_it_does_not_reach_over_the_same_host_plane_over_the_stream(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {"RREFRT_SAME_HOST": "0", "RREFRT_TCP_STREAM": "0" if how == "env_off" else "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    kw: dict = {"stream": False} if how == "extra_off" else {}
+    with group(1, kind="auto", auto_inner="zmq", child_env=env, **kw) as g:
+        assert g.join_error is None and g.joined == [{"event": "ready"}]
+        on = how == "default"
+        big = pattern(3 << 20)
+        meta, frames, err = g.call(1, ECHO, "m", [b"x", big])
+        assert err is None and meta == "m" and bytes(frames[1]) == big
+        assert not g.t.uses_same_host_path(1)
+        assert g.t.uses_stream_path(1) is on
+        assert (g.t.stream is not None) is on
+        if on:
+            assert g.t.stream.stats["messages_sent"] >= 1 and g.t.stream.connected_peers() == {1}
+        # a request pending when the peer is killed fails at once over the stream (EOF), and
+        # the inner transport's liveness then judges the death
+        errors: queue.Queue = queue.Queue()
+        g.t.request(1, IGNORE, None, [], 60.0, lambda m, f, e: errors.put(e))
+        g.children[0].kill()
+        assert isinstance(errors.get(timeout=10), PeerUnavailable)
+        assert g.dead.get(timeout=15)[0] == 1 and not g.t.is_alive(1)
