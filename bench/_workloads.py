@@ -14,6 +14,7 @@ Groups (one set of worker processes each, see bench_rpc.py):
 """
 import gc
 import json
+import logging
 import os
 import resource
 import statistics
@@ -312,6 +313,10 @@ def compiled_since(t_ns):
 
 
 def worker_main(backend, rank, world_size, port, out, params, group, only=None):
+    # warnings (a peer declared dead, a connection closed) go to the rank's log, which the
+    # bench prints when a group fails; RREFRT_BENCH_LOG=INFO (or DEBUG) says more
+    logging.basicConfig(level=os.environ.get("RREFRT_BENCH_LOG", "WARNING"),
+                        format=f"[rank{rank}] %(name)s %(levelname)s %(message)s")
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # rank r on core r (round robin past the last)
     # the init clock runs from before `import torch` to init_rpc returned, as a user sees it:
