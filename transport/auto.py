@@ -214,7 +214,8 @@ class AutoTransport:
 
     def add_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         """Dynamic groups: peers met after the join go through the inner transport only
-        (the same-host plane is formed once, at the join; docs/dynamic-groups.md)."""
+        (the same-host and tcp stream planes are formed once, at the join;
+        docs/dynamic-groups.md)."""
         ids = {p.id for p in peers}
         with self._dead_lock:
             self._dead.difference_update(ids)  # a departed id may come back

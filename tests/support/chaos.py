@@ -4,7 +4,8 @@ one disruption of a worker (w2) per run, against a 3-worker group doing RRef wor
 Used by tests/failure/test_chaos.py (a couple of dozen seeds in CI) and scripts/chaos.py (long
 campaigns). ``run_one(seed)`` returns a dict of facts; ``check(result)`` lists the violated
 criteria. The disruption is chosen by seed (``KINDS``): none; SIGKILL or SIGSTOP (for good)
-of w2 at a random moment once it is in the group; "stop_near", a SIGSTOP just under or just
+of w2 at a random moment once it is in the group (every other round of ``KINDS`` with the
+same-host path off, so over the tcp stream plane); "stop_near", a SIGSTOP just under or just
 over the heartbeat timeout (``NEAR``) followed by SIGCONT; "large", one 200 MB result from
 w2 over CURVE (its transfer outlasts the heartbeat timeout), which in half of those runs is
 stalled by a SIGSTOP of w2 while it is on its way. Criteria, in every run: 0 hangs, 0 orphan
@@ -88,13 +89,18 @@ def run_one(seed: int, duration: float = 1.2, trace_dir: str | None = None) -> d
     marks = tempfile.mkdtemp(prefix="rrefrt-chaos-")
     result: dict[str, Any] = {"seed": seed, "disruption": disruption}
     large = disruption == "large"
+    # every other round of KINDS, a kill or a stop runs with the same-host path off: its
+    # traffic crosses the tcp stream plane (transport/auto.py, Rule 8; no secret here)
+    tcp = disruption in ("kill", "stop") and (seed // len(KINDS)) % 2 == 1
+    result["plane"] = "tcp" if tcp or large else "same-host"
     try:
         for rank in range(3):
             workers.start({
                 "name": f"w{rank}", "rank": rank, "world_size": 3, "port": port,
                 "options": LARGE_OPTIONS if large else OPTIONS, "scenario": "chaos_worker", "seed": seed,
                 "duration": duration, "disruption": disruption, "marks": marks, "large_size": LARGE_SIZE,
-            }, ({"RREFRT_SAME_HOST": "0"} if large else {}) | ({"RREFRT_PTRACE_DIR": trace_dir} if trace_dir else {}))
+            }, ({"RREFRT_SAME_HOST": "0"} if large or tcp else {})
+               | ({"RREFRT_PTRACE_DIR": trace_dir} if trace_dir else {}))
         victim = workers.procs[2]
         survivors_only = disruption in ("kill", "stop")
         if disruption in ("kill", "stop"):
