@@ -10,6 +10,7 @@ import os
 import queue
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -126,3 +127,23 @@ def group(n: int = 1, **kw: Any) -> Iterator[Group]:
         yield g
     finally:
         g.close()
+
+
+#: what strangers send to an admission: a well-formed HELLO of id 0 (not in the group), then
+#: something that is not a peer at all
+STRANGER_JUNK = (b"RRU2" + b"\x00" * 52 + b"\x93\x01\x10\x00" * 100, b"GET / HTTP/1.1\r\n" * 20)
+
+
+def strangers_are_cut_off(family: int, addr: Any) -> None:
+    """Connect to ``addr`` once per ``STRANGER_JUNK`` entry, send it, and expect the
+    connection to be closed (or reset) without an answer."""
+    for junk in STRANGER_JUNK:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(addr)
+        s.sendall(junk)
+        try:
+            assert s.recv(100) == b"", "the stranger is cut off"
+        except ConnectionResetError:
+            pass  # cut off with unread bytes in its queue: a reset
+        s.close()

@@ -9,15 +9,20 @@ from __future__ import annotations
 import ctypes
 import gc
 import queue
+import threading
 import time
 
 import pytest
 
 from tests.support import poll_for
-from tests.support.unix_support import group
+from tests.support.unix_support import group, strangers_are_cut_off
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
+from rrefrt_transport.auto import stream_enabled
+from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig
 from rrefrt_transport.errors import AuthenticationFailed, PeerUnavailable
 from rrefrt_transport.unix import wire as unix_wire
+from rrefrt_transport.unix.admit import split_stream_endpoint
+from rrefrt_transport.unix.transport import UnixTransport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,9 +88,6 @@ def test_a_different_secret_is_refused_over_the_stream_plane() -> None:
 
 def test_the_stream_plane_is_off_with_a_secret_or_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rule 8: it does not encrypt, so a job with a secret keeps every byte on zmq's CURVE."""
-    from rrefrt_transport.auto import stream_enabled
-    from rrefrt_transport.base import TransportConfig
-
     monkeypatch.delenv("RREFRT_TCP_STREAM", raising=False)
     assert stream_enabled(TransportConfig(0, "a", 1))
     assert not stream_enabled(TransportConfig(0, "a", 1, secret=b"s"))
@@ -120,3 +122,28 @@ def test_auto_sends_peers_it_does_not_reach_over_the_same_host_plane_over_the_st
         g.children[0].kill()
         assert isinstance(errors.get(timeout=10), PeerUnavailable)
         assert g.dead.get(timeout=15)[0] == 1 and not g.t.is_alive(1)
+
+
+def test_a_stranger_at_the_stream_port_is_refused_before_anything_is_decoded() -> None:
+    """The port is reachable from the network: junk, a peer id outside the group, and a
+    connection that sends nothing are cut off by admission; nothing reaches on_message."""
+    messages: queue.Queue = queue.Queue()
+    t = UnixTransport(TransportConfig(5, "w5", 7, kind="stream"), lambda *a: messages.put(a), lambda p, c: None,
+                      plane="stream")
+    try:
+        family, addr = split_stream_endpoint(t.listen().endpoints["stream"])
+        t.start()
+        absent = PeerSpec(1, "w1", 8, PeerAddress("h", {"stream": "127.0.0.1:9"}))
+        threading.Thread(target=lambda: _join_quietly(t, absent), daemon=True).start()
+        strangers_are_cut_off(family, addr)
+        poll_for(lambda: t.stats["unix_refused"] >= 2, 5, "both strangers are refused")
+        assert messages.empty() and t.stats["messages_received"] == 0
+    finally:
+        t.close()
+
+
+def _join_quietly(t: UnixTransport, spec: PeerSpec) -> None:
+    try:
+        t.connect_peers([spec], 5.0)
+    except Exception:  # noqa: BLE001 - nobody joins: expected
+        pass

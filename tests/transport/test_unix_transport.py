@@ -22,7 +22,7 @@ import pytest
 
 from tests.support import ROOT, env_for, poll_for
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
-from tests.support.unix_support import Child, Group, group
+from tests.support.unix_support import Child, Group, group, strangers_are_cut_off
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig, create
 from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, Fenced, MessageTooLarge, PeerUnavailable, RequestTimeout
 from rrefrt_transport import spin
@@ -189,18 +189,7 @@ def test_stranger_is_refused_before_anything_is_decoded() -> None:
     messages: queue.Queue = queue.Queue()
     t = _listening(messages)
     try:
-        path = t._listener.getsockname()
-        for junk in (b"RRU2" + b"\x00" * 52 + b"\x93\x01\x10\x00" * 100,  # id 0: not in the group
-                     b"GET / HTTP/1.1\r\n" * 20):                        # not a peer at all
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(5)
-            s.connect(path)
-            s.sendall(junk)
-            try:
-                assert s.recv(100) == b"", "the stranger is cut off"
-            except ConnectionResetError:
-                pass  # cut off with unread bytes in its queue: a reset
-            s.close()
+        strangers_are_cut_off(socket.AF_UNIX, t._listener.getsockname())
         poll_for(lambda: t.stats["unix_refused"] >= 2, 5, "both strangers are refused")
         assert messages.empty() and t.stats["messages_received"] == 0
     finally:
