@@ -30,6 +30,9 @@ AGENT_KEYS = ("messages_sent", "messages_received", "bytes_sent", "bytes_receive
               # NOTE [Protocol errors] in rrefrt_transport.unix.transport: same-host connections
               # closed on a protocol error, read here / by the peer (no death: the inner transport judges)
               "protocol_errors", "connections_closed_by_peer",
+              # NOTE [Tcp stream plane]: tcp stream connections ended by an EOF or a reset
+              # without BYE (the peer then goes through zmq, whose liveness judges it)
+              "connections_lost",
               # NOTE [Own reads] in transport/unix/receiver.py: waits that read their own
               # answer, and those that handed a message for the loop on
               "own_reads", "own_reads_handed",

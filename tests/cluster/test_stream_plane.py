@@ -57,6 +57,7 @@ def test_a_worker_killed_mid_call_fails_its_caller_over_the_stream_at_once(tcp_o
         fut.wait()
     assert time.monotonic() - t0 < 2.0, "the EOF fails the call, not a timeout"
     assert "w1" in str(info.value)
+    assert rrefrt.get_debug_info()["agent.connections_lost"] == 1
     # the zmq transport's liveness then judges the death (within its heartbeat bounds)
     t = rrefrt.state.current().transport
     poll_for(lambda: not t.is_alive(1), 15, "w1 declared dead by the inner transport")
