@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import queue
+import socket
 import threading
 import time
 
@@ -20,6 +21,7 @@ from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
 from rrefrt_transport.auto import stream_enabled
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig
 from rrefrt_transport.errors import AuthenticationFailed, PeerUnavailable
+from rrefrt_transport.unix import transport as stream_transport
 from rrefrt_transport.unix import wire as unix_wire
 from rrefrt_transport.unix.admit import split_stream_endpoint
 from rrefrt_transport.unix.transport import UnixTransport
@@ -147,3 +149,33 @@ def _join_quietly(t: UnixTransport, spec: PeerSpec) -> None:
         t.connect_peers([spec], 5.0)
     except Exception:  # noqa: BLE001 - nobody joins: expected
         pass
+
+
+def test_a_peer_whose_stream_port_cannot_be_reached_is_given_up_within_seconds() -> None:
+    """Its port listens before it is published, so a connect that keeps failing means the
+    path is blocked: what waits on the channel fails naming the cause, and on_closed sends
+    the peer through the inner transport, after STREAM_UNREACHABLE, not CONNECT_TIMEOUT."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    closed = probe.getsockname()[1]
+    probe.close()  # nothing listens there now: connects are refused
+    t = UnixTransport(TransportConfig(0, "w0", 7, kind="stream", connect="lazy"), lambda *a: None,
+                      lambda p, c: None, plane="stream")
+    closed_paths: queue.Queue = queue.Queue()
+    t.on_closed = lambda peer, cause: closed_paths.put((peer, cause))
+    t.on_connect_wanted = lambda peer: None
+    try:
+        t.listen()
+        t.start()
+        t.connect_peers([PeerSpec(1, "w1", 8, PeerAddress("h", {"stream": f"127.0.0.1:{closed}"}))], 5.0)
+        errors: queue.Queue = queue.Queue()
+        t0 = time.monotonic()
+        t.request(1, ECHO, None, [b"x"], 60.0, lambda m, f, e: errors.put(e))
+        err = errors.get(timeout=stream_transport.STREAM_UNREACHABLE + 5)
+        took = time.monotonic() - t0
+        assert isinstance(err, PeerUnavailable) and "could not be made" in str(err) and "refused" in str(err).lower()
+        assert stream_transport.STREAM_UNREACHABLE <= took < stream_transport.STREAM_UNREACHABLE + 3, took
+        assert closed_paths.get(timeout=1)[0] == 1
+        assert t.stats["connect_retries"] > 0 and t.stats["connections_failed"] == 1
+    finally:
+        t.close()

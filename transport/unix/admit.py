@@ -65,6 +65,16 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     return buf
 
 
+#: NOTE [Tcp stream plane]: a TCP connect that has not completed by then fails (a firewall that
+#: drops the SYN would otherwise hold the connector for the kernel's own timeout, minutes)
+STREAM_CONNECT_TIMEOUT = 3.0
+
+
+class Unreachable(TransportError):
+    """The TCP connect itself failed (refused, unreachable, timed out): nothing listens
+    there for us, or the path is blocked."""
+
+
 def split_stream_endpoint(ep: str) -> tuple[int, tuple[str, int]]:
     """``"host:port"`` (``"[v6]:port"``) of a tcp stream endpoint -> (address family, sockaddr)."""
     host, _, port = ep.rpartition(":")
@@ -101,8 +111,9 @@ def connect_and_admit(
     except (OSError, ValueError) as e:
         raise TransportError(f"could not join worker {spec.name!r} over its {plane} endpoint {path}: {e}") from None
     try:
-        s.settimeout(max(0.001, timeout))
+        s.settimeout(max(0.001, timeout if key == "unix" else min(timeout, STREAM_CONNECT_TIMEOUT)))
         s.connect(addr)
+        s.settimeout(max(0.001, deadline - time.monotonic()))
         if key == "unix":
             _, uid, _ = peer_cred(s)
             if uid != os.getuid():
@@ -144,7 +155,8 @@ def connect_and_admit(
             raise AuthenticationFailed(
                 f"worker {spec.name!r} refused our {plane} proof (a different job secret?): {e}", [spec.name]
             ) from None
-        raise TransportError(
+        cls = Unreachable if stage == "connect" and key != "unix" else TransportError
+        raise cls(
             f"could not join worker {spec.name!r} over its {plane} endpoint {path} ({stage}): {e or type(e).__name__}"
         ) from None
 
