@@ -35,7 +35,9 @@ Rules:
 7. With lazy connections the same-host plane connects on first use (NOTE [Lazy same-host
    connections] in rrefrt_transport.unix.transport); the higher id of a pair asks the lower
    one to connect with an UNIX_CONNECT message over the inner transport, which this
-   transport takes before the runtime sees it.
+   transport takes before the runtime sees it; if the lower one cannot make it, it says so
+   the same way (UNIX_CONNECT ["failed", plane, cause]) and the higher one gives up its
+   waiting messages at once.
 8. The tcp stream plane (NOTE [Tcp stream plane] in rrefrt_transport.unix.transport) carries
    the traffic to every peer not reached over the same-host one iff both published a
    ``"stream"`` endpoint: every worker does unless the job has a secret (the plane does not
@@ -132,6 +134,7 @@ class AutoTransport:
             self.local.on_closed = self._path_closed
             self.local.on_verdict = self._spread
             self.local.on_connect_wanted = self._ask_connect
+            self.local.on_connect_failed = lambda peer, cause: self._tell_failed(peer, "unix", cause)
         self._local_ids: frozenset[int] = frozenset()
         #: Rule 8: the tcp stream plane, for the peers not reached over the same-host one
         self.stream: UnixTransport | None = (
@@ -143,6 +146,7 @@ class AutoTransport:
             self.stream.on_closed = self._stream_closed
             self.stream.on_verdict = self._spread
             self.stream.on_connect_wanted = self._ask_stream_connect
+            self.stream.on_connect_failed = lambda peer, cause: self._tell_failed(peer, "stream", cause)
         self._stream_ids: frozenset[int] = frozenset()
         self._closed_streams: set[int] = set()
         #: peers whose same-host connection was closed after a protocol error (Rule 6): never
@@ -241,10 +245,23 @@ class AutoTransport:
         """The same for the tcp stream plane (Rule 8)."""
         self.inner.send(peer_id, wire.UNIX_CONNECT, "stream")
 
+    def _tell_failed(self, peer_id: int, plane: str, cause: str) -> None:
+        """Rule 7: the connection a (higher) peer asked us for could not be made; it gives up
+        its side now rather than at its CONNECT_TIMEOUT."""
+        try:
+            self.inner.send(peer_id, wire.UNIX_CONNECT, ["failed", plane, cause[:500]])
+        except TransportError as e:  # closed, or the peer gone: its own bound holds
+            log.info("worker %r could not tell worker %r its %s connection failed: %s", self.name, peer_id, plane, e)
+
     def _inner_message(self, src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
         if kind == wire.UNIX_CONNECT:
-            plane = self.stream if meta == "stream" else self.local
-            if plane is not None:
+            failed = type(meta) is list and len(meta) == 3 and meta[0] == "failed" and isinstance(meta[2], str)
+            plane = self.stream if (meta[1] if failed else meta) == "stream" else self.local
+            if plane is None:
+                return
+            if failed:
+                plane.connect_failed(src, meta[2])
+            else:
                 plane.connect_wanted(src)
             return
         self._on_message(src, kind, msg_id, meta, frames)

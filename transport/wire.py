@@ -66,8 +66,9 @@ HELLO, HELLO_ACK, PING, RESPONSE, DEAD_NOTICE, FENCED, SUSPECT, UNWATCHED = 1, 2
 FIRST_APP_KIND = 16
 #: the last kind of the application range, reserved for the composite transport: the inner
 #: transport carries it like any application message and the composite takes it before the
-#: runtime sees it (UNIX_CONNECT: [] "connect to me over the same-host path", NOTE [Lazy
-#: same-host connections] in rrefrt_transport.unix.transport)
+#: runtime sees it (UNIX_CONNECT: None "connect to me over the same-host path", "stream" the
+#: same over the tcp stream plane, ["failed", plane, cause] "the connection you asked for
+#: could not be made"; NOTE [Lazy same-host connections] in rrefrt_transport.unix.transport)
 UNIX_CONNECT = 255
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096

@@ -179,3 +179,39 @@ def test_a_peer_whose_stream_port_cannot_be_reached_is_given_up_within_seconds()
         assert t.stats["connect_retries"] > 0 and t.stats["connections_failed"] == 1
     finally:
         t.close()
+
+
+def test_the_peer_that_asked_for_a_connection_gives_up_when_told_it_could_not_be_made() -> None:
+    """Lazy connections: the higher id asks the lower one to connect; when the lower one
+    cannot, it says so (the composite carries it over zmq: ``on_connect_failed`` ->
+    ``connect_failed``) and the higher one's waiting messages fail at once, not at its
+    CONNECT_TIMEOUT."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    closed = probe.getsockname()[1]
+    probe.close()
+
+    def lazy(wid: int) -> UnixTransport:
+        t = UnixTransport(TransportConfig(wid, f"w{wid}", 7, kind="stream", connect="lazy"), lambda *a: None,
+                          lambda p, c: None, plane="stream")
+        t.listen()
+        t.start()
+        return t
+
+    low, high = lazy(0), lazy(1)
+    try:
+        low.on_connect_wanted = lambda peer: None
+        high.on_connect_wanted = lambda peer: low.connect_wanted(1)  # what the composite carries
+        low.on_connect_failed = lambda peer, cause: high.connect_failed(0, cause)  # likewise
+        # the high one's address, as the low one has it, is one where nothing listens
+        low.connect_peers([PeerSpec(1, "w1", 7, PeerAddress("h", {"stream": f"127.0.0.1:{closed}"}))], 5.0)
+        high.connect_peers([PeerSpec(0, "w0", 7, PeerAddress("h", {"stream": "127.0.0.1:9"}))], 5.0)
+        errors: queue.Queue = queue.Queue()
+        t0 = time.monotonic()
+        high.request(0, ECHO, None, [b"x"], 60.0, lambda m, f, e: errors.put(e))
+        err = errors.get(timeout=stream_transport.STREAM_UNREACHABLE + 5)
+        assert isinstance(err, PeerUnavailable) and "'w0' could not connect" in str(err), err
+        assert time.monotonic() - t0 < stream_transport.STREAM_UNREACHABLE + 3
+    finally:
+        low.close()
+        high.close()

@@ -194,6 +194,11 @@ class UnixTransport:
         #: on_connect_wanted(peer id): ask that (lower) peer to connect to us, through the
         #: composite's inner transport (NOTE [Lazy same-host connections]); None: join eagerly
         self.on_connect_wanted: Callable[[int], None] | None = None
+        #: on_connect_failed(peer id, cause): the connection we (the lower id) were to make to
+        #: that peer could not be made; the composite tells it through its inner transport, so
+        #: that its messages waiting for the connection fail now (``connect_failed`` there),
+        #: not at its CONNECT_TIMEOUT
+        self.on_connect_failed: Callable[[int, str], None] | None = None
         #: connect_peers made no connection: channels connect on first use
         self._lazy = False
         #: peers that asked us to connect before connect_peers recorded the group
@@ -515,6 +520,17 @@ class UnixTransport:
         on_closed = self.on_closed
         if on_closed is not None:
             guard(lambda: on_closed(ch.id, cause))
+        tell = self.on_connect_failed
+        if tell is not None and self.id < ch.id:
+            guard(lambda: tell(ch.id, cause))
+
+    def connect_failed(self, peer_id: int, cause: str) -> None:
+        """Any thread: the (lower) peer ``peer_id`` could not make the connection we asked it
+        for (``on_connect_failed`` there): ours waiting for it is given up now."""
+        ch = self._peers.get(peer_id)
+        if ch is not None and peer_id < self.id:
+            why = f"worker {ch.spec.name!r} could not connect: {cause}"
+            self._rx.call_soon(lambda: self._not_connected(ch, why))
 
     # ------------------------------------------------------------------ API (any thread)
     def request(
