@@ -166,10 +166,11 @@ class AutoTransport:
         return PeerAddress(addr.host, endpoints)
 
     def start(self) -> None:
+        """The tcp stream plane starts at the join, and only if some peer is reached over it
+        (``_join_stream``)."""
         self.inner.start()
-        for plane in (self.local, self.stream):
-            if plane is not None:
-                plane.start()
+        if self.local is not None:
+            self.local.start()
 
     def connect_peers(self, peers: Sequence[PeerSpec], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -199,10 +200,18 @@ class AutoTransport:
             self._local_ids = frozenset(p.id for p in local) - self._closed_paths
 
     def _join_stream(self, remote: list[PeerSpec], deadline: float) -> None:
-        """Rule 8: join the tcp stream plane with ``remote`` (lazily: nothing is connected yet)."""
+        """Rule 8: join the tcp stream plane with ``remote`` (lazily: nothing is connected yet).
+        With no peer to reach over it (every one on this host: a one-node job) it closes, so
+        that no thread serves it and its port listens no more (no peer routes to us over it:
+        each decides from the same published addresses)."""
         stream = self.stream
-        if not remote or stream is None:
+        if stream is None:
             return
+        if not remote:
+            stream.close(0.5)
+            self.stream = None
+            return
+        stream.start()
         try:
             stream.connect_peers(remote, max(1.0, deadline - time.monotonic()))
         except AuthenticationFailed:

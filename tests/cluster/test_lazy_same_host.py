@@ -5,6 +5,8 @@ transport), messages sent meanwhile wait in order, and a worker never called hol
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import rrefrt
@@ -21,6 +23,8 @@ def test_same_host_connections_are_made_on_first_use_and_keep_order(group):
     t = rrefrt.state.current().transport
     assert t.local is not None and all(t.uses_same_host_path(i) for i in (1, 2, 3)), "the test is about the unix path"
     assert t.local.connected_peers() == set(), "init_rpc made same-host connections"
+    # every peer is on this host: the tcp stream plane closed at the join (no thread, no port)
+    assert t.stream is None and not any(th.name.startswith("rrefrt-stream") for th in threading.enumerate())
     # w0 -> w3: the lower id connects
     assert rrefrt.rpc_sync("w3", fns.same_host_connections) == [0]
     assert t.local.connected_peers() == {3}
