@@ -11,7 +11,8 @@ from rrefrt_transport.unix.channel import UP, Channel
 
 
 class ScriptedSocket:
-    """``sendmsg`` takes what ``takes`` says, call by call (None: everything; 0: full)."""
+    """``sendmsg`` takes what ``takes`` says, call by call (None: everything; 0: full; -1:
+    the socket failed, EPIPE)."""
 
     def __init__(self, takes: list[int | None]) -> None:
         self.takes = collections.deque(takes)
@@ -22,6 +23,8 @@ class ScriptedSocket:
         take = self.takes.popleft() if self.takes else None
         if take == 0:
             raise BlockingIOError
+        if take == -1:
+            raise BrokenPipeError(32, "Broken pipe")
         n = len(data) if take is None else min(take, len(data))
         self.sent += data[:n]
         return n
@@ -87,3 +90,24 @@ def test_a_flush_leaves_the_rest_to_the_loop_while_it_waits_for_the_event() -> N
     ch.want_write = False  # the loop's EVENT_WRITE
     ch.try_flush()
     assert bytes(sock.sent) == b"x" * 1000 and ch.cur is None and ch.qbytes == 0
+
+
+def test_a_flush_that_finds_the_socket_failed_stops_and_leaves_the_verdict_to_the_loop() -> None:
+    """A failed write is reported once; the flush must not go round again (on the loop's own
+    thread that would spin for ever: the verdict it waits for runs on that thread)."""
+
+    class Reports(LoopThatWritesAtOnce):
+        def __init__(self) -> None:
+            super().__init__()
+            self.broke: list[str] = []
+
+        def broken(self, ch: Channel, cause: str) -> None:
+            self.broke.append(cause)
+
+    host = Reports()
+    sock = ScriptedSocket([-1] * 1000)
+    ch = _channel(sock, host)
+    _queue(ch, b"x" * 1000)
+    ch.try_flush()
+    assert len(host.broke) == 1 and "Broken pipe" in host.broke[0]
+    assert len(sock.takes) == 999, "one write, not one per round"

@@ -219,6 +219,8 @@ class Channel:
                         emptied = self.drain()
                     finally:
                         self.send_lock.release()
+                    if emptied is None:
+                        return False  # the socket failed: the loop declares the peer gone
                     if not emptied and self.state is UP and self.qbytes + nbytes > bound:
                         if self.sock is not None:
                             _writable(self.sock, left)
@@ -333,16 +335,20 @@ class Channel:
                 emptied = self.drain()
             finally:
                 self.send_lock.release()
-            if not emptied and (self.want_write or self.state is not UP):
-                return  # the socket is full (EVENT_WRITE is asked for) or broke (declared dead)
+            if emptied is None or not emptied and (self.want_write or self.state is not UP):
+                # broke (reported: the loop declares the peer gone; going round would write
+                # to the failed socket again and again, on the loop's own thread), or full
+                # with EVENT_WRITE asked for
+                return
             force = False  # round again only while nobody waits for EVENT_WRITE
 
-    def drain(self) -> bool:
+    def drain(self) -> bool | None:
         """Write queued messages (send lock held) until the queue is empty (True) or the
-        socket is full (False, after asking for EVENT_WRITE) or broke (False). Never blocks."""
+        socket is full (False, after asking for EVENT_WRITE) or broke (None: reported to the
+        host, or no socket). Never blocks."""
         sock = self.sock
         if sock is None:
-            return False
+            return None
         while True:
             if self.cur is None:
                 if not self.outq:
@@ -361,7 +367,7 @@ class Channel:
                 n = 0
             except OSError as e:
                 self._host.broken(self, f"its socket failed: {e.strerror or e}")
-                return False
+                return None
             if n:
                 self.bytes_sent += n
                 while n:
