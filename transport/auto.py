@@ -137,8 +137,11 @@ class AutoTransport:
             self.local.on_connect_failed = lambda peer, cause: self._tell_failed(peer, "unix", cause)
         self._local_ids: frozenset[int] = frozenset()
         #: Rule 8: the tcp stream plane, for the peers not reached over the same-host one
+        # always lazy, also with RREFRT_CONNECT=eager: a pair that cannot reach each other's
+        # port then costs that pair alone, never the join
         self.stream: UnixTransport | None = (
-            UnixTransport(config, _tagging(on_message, STREAM_TAG), self._died, plane="stream")
+            UnixTransport(dataclasses.replace(config, connect="lazy"), _tagging(on_message, STREAM_TAG), self._died,
+                          plane="stream")
             if stream_enabled(config) else None
         )
         if self.stream is not None:
@@ -193,7 +196,7 @@ class AutoTransport:
         except TransportError as e:
             log.warning("worker %r: the same-host data plane is not used (%s); every peer goes through %s",
                         self.name, e, type(self.inner).__name__)
-            self.local.close(1.0)
+            self.local.abandon(f"its same-host join failed: {e}", 1.0)
             self.local = None
             return
         with self._dead_lock:
@@ -219,7 +222,7 @@ class AutoTransport:
         except TransportError as e:
             log.warning("worker %r: the tcp stream plane is not used (%s); peers on other hosts go through %s",
                         self.name, e, type(self.inner).__name__)
-            stream.close(1.0)
+            stream.abandon(f"its tcp stream join failed: {e}", 1.0)
             self.stream = None
             return
         with self._dead_lock:
@@ -232,8 +235,8 @@ class AutoTransport:
         ids = {p.id for p in peers}
         with self._dead_lock:
             self._dead.difference_update(ids)  # a departed id may come back
-        self._local_ids = self._local_ids - ids
-        self._stream_ids = self._stream_ids - ids
+            self._local_ids = self._local_ids - ids
+            self._stream_ids = self._stream_ids - ids
         self.inner.add_peers(peers, timeout)
 
     def remove_peer(self, peer_id: int, cause: str) -> None:
@@ -265,8 +268,11 @@ class AutoTransport:
     def _inner_message(self, src: int, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
         if kind == wire.UNIX_CONNECT:
             failed = type(meta) is list and len(meta) == 3 and meta[0] == "failed" and isinstance(meta[2], str)
-            plane = self.stream if (meta[1] if failed else meta) == "stream" else self.local
+            which = "stream" if (meta[1] if failed else meta) == "stream" else "unix"
+            plane = self.stream if which == "stream" else self.local
             if plane is None:
+                if not failed:  # closed here (its join failed): the asker gives up now, not at its timeout
+                    self._tell_failed(src, which, f"worker {self.name!r} has no {which} plane")
                 return
             if failed:
                 plane.connect_failed(src, meta[2])

@@ -16,11 +16,12 @@ import time
 import pytest
 
 from tests.support import poll_for
-from tests.support.unix_support import group, strangers_are_cut_off
+from tests.support.unix_support import Child, group, strangers_are_cut_off
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
 from rrefrt_transport.auto import stream_enabled
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig
 from rrefrt_transport.errors import AuthenticationFailed, PeerUnavailable
+from rrefrt_transport.unix import admit
 from rrefrt_transport.unix import transport as stream_transport
 from rrefrt_transport.unix import wire as unix_wire
 from rrefrt_transport.unix.admit import split_stream_endpoint
@@ -215,3 +216,67 @@ def test_the_peer_that_asked_for_a_connection_gives_up_when_told_it_could_not_be
     finally:
         low.close()
         high.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_body_dropped_while_the_pool_is_locked_does_not_deadlock_the_dropping_thread() -> None:
+    """A garbage collection may finalize a holder inside ``take`` (the pool's lock held) on
+    the same thread: giving a mapping back takes no lock."""
+    pool = unix_wire.BodyPool(64 << 20)
+    view = pool.take(2 << 20)
+    with pool._lock:
+        del view
+        gc.collect()  # the finalizer runs here, on this thread, under the lock
+    again = pool.take(2 << 20)
+    assert pool.reused == 1 and again.nbytes == 2 << 20
+
+
+def test_a_connection_lost_in_the_middle_of_a_large_body_drops_it() -> None:
+    """NOTE [Large bodies]: the half-read body of a connection that ended is not kept by its
+    dead channel's reader."""
+    with group(1, kind="stream", heartbeat_timeout=30.0, child_extra={"slow_send": True}) as g:
+        got: queue.Queue = queue.Queue()
+        g.t.request(1, BIG, {"n": 40 << 20}, [], 60.0, lambda m, f, e: got.put(e))
+        poll_for(lambda: g.t.stats["bytes_received"] > 1 << 20, 20, "the body is on its way")
+        ch = g.t._peers[1]
+        assert ch.reader is not None and ch.reader.big is not None
+        g.children[0].kill()
+        assert isinstance(got.get(timeout=10), PeerUnavailable)
+        poll_for(lambda: ch.reader is None, 5, "the dead channel's reader is dropped")
+
+
+def test_abandoning_a_plane_closes_its_connections_without_a_death_on_either_side() -> None:
+    """The composite gives a plane up when its join fails: its peers are told CLOSE, not BYE,
+    so none takes this live worker for gone (both go on over the inner transport)."""
+    with group(1, kind="stream") as g:
+        assert g.call(1, ECHO, "m", [])[0] == "m"
+        g.t.abandon("its tcp stream join failed: a test", 1.0)
+        child = g.children[0]
+        poll_for(lambda: _child_stats(child)["stats"].get("connections_closed_by_peer") == 1, 10,
+                 "the peer closed its side")
+        st = _child_stats(child)
+        assert st["dead_peers"] == [] and not st["stats"].get("peers_declared_dead"), st
+
+
+def test_strangers_waiting_for_admission_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admit, "MAX_ADMITTING", 2)
+    t = UnixTransport(TransportConfig(5, "w5", 7, kind="stream"), lambda *a: None, lambda p, c: None, plane="stream")
+    idle = []
+    try:
+        family, addr = split_stream_endpoint(t.listen().endpoints["stream"])
+        t.start()
+        for _ in range(5):  # they send nothing: each would wait ADMIT_TIMEOUT
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.connect(addr)
+            idle.append(s)
+        poll_for(lambda: t.stats["unix_refused"] >= 3, 5, "the connections past the cap are refused at once")
+        assert len(t._acceptor.conns) == 2
+    finally:
+        for s in idle:
+            s.close()
+        t.close()
+
+
+def _child_stats(child: Child) -> dict:
+    child.tell({"cmd": "stats"})
+    return child.expect("stats", 10)

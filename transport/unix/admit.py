@@ -25,6 +25,9 @@ from rrefrt_transport.errors import AuthenticationFailed, TransportError
 log = logging.getLogger("rrefrt.transport")
 
 ADMIT_TIMEOUT = 10.0  #: an accepted connection that has not passed by then is closed
+#: connections waiting for admission at most; more are refused at once (the tcp stream
+#: port is reachable from the network: idle strangers must not use up the fd limit)
+MAX_ADMITTING = 256
 #: a peer whose connection failed the challenge fails the join if it is still missing this
 #: long after (a stray connection claiming its id cannot abort a join that completes)
 ACCEPT_GRACE = 2.0
@@ -151,7 +154,8 @@ def connect_and_admit(
         raise
     except (OSError, uw.ProtocolError, struct.error) as e:
         s.close()
-        if stage == "admit":
+        if stage == "admit" and (key == "unix" or secret is not None):
+            # (over TCP without a secret nothing was proven: a reset there is the network's)
             raise AuthenticationFailed(
                 f"worker {spec.name!r} refused our {plane} proof (a different job secret?): {e}", [spec.name]
             ) from None
@@ -205,6 +209,9 @@ class Acceptor:
             except OSError as e:
                 log.warning("accept failed on a %s socket: %s", "same-host" if unix else "tcp stream", e)
                 return out
+            if len(self.conns) >= MAX_ADMITTING:
+                self._refuse(s, f"{MAX_ADMITTING} connections wait for admission already")
+                continue
             if unix:
                 _, uid, _ = peer_cred(s)
                 if uid != os.getuid():

@@ -108,7 +108,7 @@ from rrefrt_transport.spin import RX_SPIN, LoopSpin
 from rrefrt_transport.spin import spin as spin_poll
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
-from rrefrt_transport.unix.channel import UP, Channel, ChannelLost
+from rrefrt_transport.unix.channel import DEAD, UP, Channel, ChannelLost
 from rrefrt_transport.unix.poller import READ, WRITE, Bell, Poller
 from rrefrt_transport.unix.timers import Pending, Timers, guard
 
@@ -291,6 +291,8 @@ class Receiver:
         try:
             self._read_held(ch)
         finally:
+            if ch.state is DEAD:  # its teardown ran while we held the token: drop a half-read body
+                ch.reader = None
             ch.release_read()
 
     def _read_held(self, ch: Channel) -> None:
@@ -463,9 +465,9 @@ class Receiver:
                     ch.forget_segment(seg)
         elif kind == unix_wire.BYE:
             ch.bye = True
-        elif kind == unix_wire.CLOSE:  # it read a protocol error from us
+        elif kind == unix_wire.CLOSE:  # it read a protocol error from us, or it abandoned the plane
             why = meta[0] if type(meta) is list and len(meta) == 1 and isinstance(meta[0], str) else "?"
-            self._host.close_connection(ch, f"it closed the connection after a protocol error ({why:.200})", False)
+            self._host.close_connection(ch, f"it closed the connection: {why:.300}", False)
         else:
             self._stats["bad_frames_dropped"] += 1
 

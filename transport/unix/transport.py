@@ -28,7 +28,10 @@ is reached over the inner transport from then on, whose liveness alone judges it
 port listens before it is published, so a TCP connect that keeps failing (refused,
 unreachable, or not completed within ``STREAM_CONNECT_TIMEOUT``) for ``STREAM_UNREACHABLE``
 means the path is blocked: the connection is given up the same way, after seconds rather
-than ``CONNECT_TIMEOUT``. It is not
+than ``CONNECT_TIMEOUT``. It always connects lazily (also with ``connect="eager"``), so a
+pair that cannot reach each other's port costs that pair alone, never the join; and at
+most ``MAX_ADMITTING`` connections wait for admission at once (the port is reachable from
+the network). A plane the composite gives up (``abandon``) tells its peers CLOSE, not BYE. It is not
 used with a job secret: its traffic is not encrypted (transport/auto.py, Rule 8), and a
 worker whose peers all share its host closes it at the join (no thread, no listening port). Measured
 against TensorPipe forced to TCP, 2 workers one per core: rpc_sync p50 0.25x (zmq's path:
@@ -809,7 +812,7 @@ class UnixTransport:
             return
         if tell:
             self._stats["protocol_errors"] += 1
-            ch.write(unix_wire.encode(unix_wire.CLOSE, 0, [cause], ()))  # never waits (NOTE [Send queue bound])
+            ch.write(unix_wire.encode(unix_wire.CLOSE, 0, [f"a protocol error: {cause}"], ()))  # never waits (NOTE [Send queue bound])
         elif not counted:
             self._stats["connections_closed_by_peer"] += 1
         ch.state, ch.closed = DEAD, cause
@@ -827,6 +830,9 @@ class UnixTransport:
         it, fail its requests with ``err``, reclaim its segments."""
         self._rx.unwatch(ch)
         ch.close_socket()
+        if ch.claim_read():  # nobody reads it now: a half-read large body goes (NOTE [Large bodies])
+            ch.reader = None
+            ch.release_read()
         ch.drop_queue()
         self._rx.forget(self._pool.peer_gone(ch.id))
         ch.release_received()
@@ -835,6 +841,20 @@ class UnixTransport:
             guard(lambda p=p: p.finish(None, (), err))
 
     # ------------------------------------------------------------------ close
+    def abandon(self, cause: str, timeout: float = 2.0) -> None:
+        """Close this plane while the process goes on (the composite's join of it failed):
+        each admitted peer is told CLOSE [cause], not BYE, so that it closes its side and
+        reaches us through the inner transport instead of taking us for gone (NOTE
+        [Protocol errors]); then as ``close``."""
+        if os.getpid() != self._pid or self._closed.is_set():
+            return
+        note = unix_wire.encode(unix_wire.CLOSE, 0, [cause[:500]], ())
+        for ch in list(self._peers.values()):
+            if ch.state is UP:
+                ch.write(note)
+                ch.state = DEAD  # so that close() says no BYE on it
+        self.close(timeout)
+
     def close(self, timeout: float = 2.0) -> None:
         """Say BYE, stop the receiver thread, fail every pending request. Never hangs."""
         if os.getpid() != self._pid or self._closed.is_set():

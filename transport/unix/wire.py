@@ -41,17 +41,20 @@ Transport kinds of this transport beside wire's HELLO/HELLO_ACK/PING/RESPONSE (1
     BYE (10)         None                    orderly close: the peer is going away
     CLOSE (11)       [cause]                 the sender closes this connection after a
                                              protocol error in what it read (NOTE
-                                             [Protocol errors] in rrefrt_transport.unix.transport): the
+                                             [Protocol errors] in rrefrt_transport.unix.transport),
+                                             or gives this plane up (``abandon``): the
                                              connection ends, not the peer; both go on
                                              over the composite's inner transport
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import hmac
 import mmap
+import os
 import secrets
 import struct
 import threading
@@ -168,22 +171,37 @@ class BodyPool:
     kept (up to ``max_idle`` bytes) for the next body of about its size: its pages are
     resident, so the socket fills it without a page fault per 4 KB (writing 64 MB into a
     fresh mapping took 30 ms here, into a resident one 6 ms). Any thread may drop the last
-    frame: the pool has a lock."""
+    frame, at any moment (a garbage collection, inside ``take`` too): the finalizer only
+    appends to a deque, and ``take`` sorts what came back under its lock."""
 
     def __init__(self, max_idle: int) -> None:
         self.max_idle = max_idle
         self._idle: list[mmap.mmap] = []
         self._idle_bytes = 0
+        self._returned: collections.deque = collections.deque()  #: given back, not sorted yet
+        #: bytes in ``_returned`` (approximate between two ``take``: finalizers add to it
+        #: without the lock; ``take`` sets it again)
+        self._returned_bytes = 0
         self._lock = threading.Lock()
         self.reused = 0  #: bodies placed in a kept mapping (tests)
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it
 
     def take(self, n: int) -> memoryview:
         """A writable byte view of ``n`` bytes at the start of a page-aligned mapping."""
         size = -(-n // _MAP_ROUND) * _MAP_ROUND
         m = None
         with self._lock:
-            for i, c in enumerate(self._idle):
-                if size <= len(c) <= size + (size >> 2):
+            while self._returned:
+                back = self._returned.popleft()
+                if self._idle_bytes + len(back) <= self.max_idle:
+                    self._idle.append(back)
+                    self._idle_bytes += len(back)
+            self._returned_bytes = 0
+            for i in range(len(self._idle)):
+                if size <= len(self._idle[i]) <= size + (size >> 2):
                     m = self._idle.pop(i)
                     self._idle_bytes -= len(m)
                     self.reused += 1
@@ -195,17 +213,17 @@ class BodyPool:
         return memoryview(holder).cast("B")
 
     def _give_back(self, m: mmap.mmap) -> None:
-        """The last view of ``m`` went (on the thread that dropped it): keep it if there is
-        room, else let it go (unmapped once its exporter is gone)."""
-        with self._lock:
-            if self._idle_bytes + len(m) <= self.max_idle:
-                self._idle.append(m)
-                self._idle_bytes += len(m)
+        """The last view of ``m`` went (any thread, any moment): keep it for ``take`` if the
+        pool has room (no lock: see the class), else let it go (unmapped with its exporter)."""
+        if self._idle_bytes + self._returned_bytes + len(m) <= self.max_idle:
+            self._returned_bytes += len(m)
+            self._returned.append(m)
 
     def clear(self) -> None:
         with self._lock:
             self._idle.clear()
-            self._idle_bytes = 0
+            self._returned.clear()
+            self._idle_bytes = self._returned_bytes = 0
 
 
 _MAP_ROUND = 1 << 20  #: NOTE [Large bodies]: mappings are whole MiBs (a slightly larger body reuses one)
