@@ -129,12 +129,8 @@ class AutoTransport:
         self.local: UnixTransport | None = (
             UnixTransport(config, _tagging(on_message), self._died) if same_host_enabled(config) else None
         )
-        if self.local is not None:  # Rule 3: silence is judged by the inner transport's echo
-            self.local.judge_silence = False
-            self.local.on_closed = self._path_closed
-            self.local.on_verdict = self._spread
-            self.local.on_connect_wanted = self._ask_connect
-            self.local.on_connect_failed = lambda peer, cause: self._tell_failed(peer, "unix", cause)
+        if self.local is not None:
+            self._wire(self.local, self._path_closed, self._ask_connect)
         self._local_ids: frozenset[int] = frozenset()
         #: Rule 8: the tcp stream plane, for the peers not reached over the same-host one
         # always lazy, also with RREFRT_CONNECT=eager: a pair that cannot reach each other's
@@ -145,11 +141,7 @@ class AutoTransport:
             if stream_enabled(config) else None
         )
         if self.stream is not None:
-            self.stream.judge_silence = False
-            self.stream.on_closed = self._stream_closed
-            self.stream.on_verdict = self._spread
-            self.stream.on_connect_wanted = self._ask_stream_connect
-            self.stream.on_connect_failed = lambda peer, cause: self._tell_failed(peer, "stream", cause)
+            self._wire(self.stream, self._stream_closed, self._ask_stream_connect)
         self._stream_ids: frozenset[int] = frozenset()
         self._closed_streams: set[int] = set()
         #: peers whose same-host connection was closed after a protocol error (Rule 6): never
@@ -158,6 +150,15 @@ class AutoTransport:
         self._hook: Any = None
         #: Rule 3: peers whose liveness the inner transport was asked to watch
         self._watched: set[int] = set()
+
+    def _wire(self, plane: UnixTransport, on_closed: Callable[[int, str], None],
+              ask: Callable[[int], None]) -> None:
+        """Connect a plane's reports to this transport (Rules 3, 6, 7)."""
+        plane.judge_silence = False  # Rule 3: silence is judged by the inner transport's echo
+        plane.on_closed = on_closed
+        plane.on_verdict = self._spread
+        plane.on_connect_wanted = ask
+        plane.on_connect_failed = lambda peer, cause: self._tell_failed(peer, plane.key, cause)
 
     # ------------------------------------------------------------------ setup
     def listen(self) -> PeerAddress:

@@ -129,6 +129,15 @@ def group(n: int = 1, **kw: Any) -> Iterator[Group]:
         g.close()
 
 
+def join_quietly(t: Any, spec: PeerSpec) -> None:
+    """Join ``t`` with ``spec``, who never comes: keeps ``t`` in its join window (admission
+    knows the group) for a stranger test; the join's failure is expected."""
+    try:
+        t.connect_peers([spec], 5.0)
+    except Exception:  # noqa: BLE001 - nobody joins: expected
+        pass
+
+
 #: what strangers send to an admission: a well-formed HELLO of id 0 (not in the group), then
 #: something that is not a peer at all
 STRANGER_JUNK = (b"RRU2" + b"\x00" * 52 + b"\x93\x01\x10\x00" * 100, b"GET / HTTP/1.1\r\n" * 20)

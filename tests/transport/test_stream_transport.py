@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.support import poll_for
-from tests.support.unix_support import Child, group, strangers_are_cut_off
+from tests.support.unix_support import Child, group, join_quietly, strangers_are_cut_off
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
 from rrefrt_transport.auto import stream_enabled
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig
@@ -137,19 +137,12 @@ def test_a_stranger_at_the_stream_port_is_refused_before_anything_is_decoded() -
         family, addr = split_stream_endpoint(t.listen().endpoints["stream"])
         t.start()
         absent = PeerSpec(1, "w1", 8, PeerAddress("h", {"stream": "127.0.0.1:9"}))
-        threading.Thread(target=lambda: _join_quietly(t, absent), daemon=True).start()
+        threading.Thread(target=lambda: join_quietly(t, absent), daemon=True).start()
         strangers_are_cut_off(family, addr)
         poll_for(lambda: t.stats["unix_refused"] >= 2, 5, "both strangers are refused")
         assert messages.empty() and t.stats["messages_received"] == 0
     finally:
         t.close()
-
-
-def _join_quietly(t: UnixTransport, spec: PeerSpec) -> None:
-    try:
-        t.connect_peers([spec], 5.0)
-    except Exception:  # noqa: BLE001 - nobody joins: expected
-        pass
 
 
 def test_a_peer_whose_stream_port_cannot_be_reached_is_given_up_within_seconds() -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from tests.support import ROOT, env_for, poll_for
 from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
-from tests.support.unix_support import Child, Group, group, strangers_are_cut_off
+from tests.support.unix_support import Child, Group, group, join_quietly, strangers_are_cut_off
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig, create
 from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, Fenced, MessageTooLarge, PeerUnavailable, RequestTimeout
 from rrefrt_transport import spin
@@ -174,15 +174,8 @@ def _listening(messages: queue.Queue) -> UnixTransport:
     t.listen()
     t.start()
     stranger = PeerSpec(1, "w1", 8, PeerAddress("h", {"unix": "/nonexistent"}))
-    threading.Thread(target=lambda: _join_quietly(t, stranger), daemon=True).start()
+    threading.Thread(target=lambda: join_quietly(t, stranger), daemon=True).start()
     return t
-
-
-def _join_quietly(t: UnixTransport, spec: PeerSpec) -> None:
-    try:
-        t.connect_peers([spec], 5.0)
-    except Exception:  # noqa: BLE001 - nobody joins: expected
-        pass
 
 
 def test_stranger_is_refused_before_anything_is_decoded() -> None:
