@@ -200,14 +200,14 @@ class Acceptor:
         """Accept waiting connections (on a unix socket: those whose uid is ours); return
         them (to be watched)."""
         out = []
-        unix = listener.family == socket.AF_UNIX
+        unix = self.plane == "same-host"
         while True:
             try:
                 s, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return out
             except OSError as e:
-                log.warning("accept failed on a %s socket: %s", "same-host" if unix else "tcp stream", e)
+                log.warning("accept failed on a %s socket: %s", self.plane, e)
                 return out
             if len(self.conns) >= MAX_ADMITTING:
                 self._refuse(s, f"{MAX_ADMITTING} connections wait for admission already")

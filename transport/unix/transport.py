@@ -778,8 +778,7 @@ class UnixTransport:
         network as well: the connection is closed without judging the peer (unless it said
         BYE), and the inner transport's liveness judges it."""
         if self.tcp and not ch.bye:
-            self._stats["connections_lost"] += 1
-            self.close_connection(ch, f"the connection ended ({cause})", False, counted=True)
+            self.close_connection(ch, f"the connection ended ({cause})", False, counter="connections_lost")
             return
         self._fence(ch, cause)
 
@@ -803,7 +802,9 @@ class UnixTransport:
         if own and not ch.bye and on_verdict is not None:
             guard(lambda: on_verdict(ch.id, cause))
 
-    def close_connection(self, ch: Channel, cause: str, tell: bool, counted: bool = False) -> None:
+    def close_connection(
+        self, ch: Channel, cause: str, tell: bool, counter: str = "connections_closed_by_peer"
+    ) -> None:
         """ReceiverHost: NOTE [Protocol errors]. Close ``ch``'s connection - its record is
         final, as for a death - without judging the peer: no ``on_peer_dead``; ``on_closed``
         tells the composite transport to reach it over its inner one. ``tell``: we read the
@@ -813,8 +814,8 @@ class UnixTransport:
         if tell:
             self._stats["protocol_errors"] += 1
             ch.write(unix_wire.encode(unix_wire.CLOSE, 0, [f"a protocol error: {cause}"], ()))  # never waits (NOTE [Send queue bound])
-        elif not counted:
-            self._stats["connections_closed_by_peer"] += 1
+        else:  # the peer closed it (CLOSE), or (``counter``) the connection ended under us
+            self._stats[counter] += 1
         ch.state, ch.closed = DEAD, cause
         log.warning(
             "worker %r closed its %s connection with worker %r: %s; the peer is not judged dead "

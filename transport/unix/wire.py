@@ -163,6 +163,7 @@ class Incoming:
 
 _ALIGN = 64  #: NOTE [Large bodies]: where the largest frame of a large body starts
 _MAP_BODIES = 32 << 20  #: NOTE [Large bodies]: glibc's largest mmap threshold
+_MAP_ROUND = 1 << 20  #: NOTE [Large bodies]: mappings are whole MiBs (a slightly larger body reuses one)
 
 
 class BodyPool:
@@ -219,14 +220,7 @@ class BodyPool:
             self._returned_bytes += len(m)
             self._returned.append(m)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._idle.clear()
-            self._returned.clear()
-            self._idle_bytes = self._returned_bytes = 0
 
-
-_MAP_ROUND = 1 << 20  #: NOTE [Large bodies]: mappings are whole MiBs (a slightly larger body reuses one)
 #: NOTE [Large bodies]: this process's pool (every channel's reader takes from it)
 BODIES = BodyPool(160 << 20)
 
