@@ -140,7 +140,7 @@ def join_quietly(t: Any, spec: PeerSpec) -> None:
 
 #: what strangers send to an admission: a well-formed HELLO of id 0 (not in the group), then
 #: something that is not a peer at all
-STRANGER_JUNK = (b"RRU2" + b"\x00" * 52 + b"\x93\x01\x10\x00" * 100, b"GET / HTTP/1.1\r\n" * 20)
+STRANGER_JUNK = (b"RRU3" + b"\x00" * 52 + b"\x93\x01\x10\x00" * 100, b"GET / HTTP/1.1\r\n" * 20)
 
 
 def strangers_are_cut_off(family: int, addr: Any) -> None:

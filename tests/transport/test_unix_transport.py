@@ -774,20 +774,23 @@ def test_a_message_for_the_loop_is_handed_on_while_a_caller_reads_and_every_wait
         assert g.call(1, ECHO, "after", [b"y"])[2] is None
 
 
-def test_a_request_that_lent_a_segment_leaves_its_answer_to_the_loop() -> None:
-    """NOTE [Own reads] (6): after a request whose frame went through shared memory the
-    caller does not read (the peer's release follows the answer); the next small one does."""
+def test_a_request_that_lent_a_segment_reads_its_own_answer_and_both_segments_return() -> None:
+    """NOTE [Segments] (5) in shm.py: a receiver returns a segment by a mark in it, not by a
+    message, so a caller whose request lent one reads its own answer like any other (NOTE
+    [Own reads]); both ends' segments come back once the frames are dropped."""
     with group(1, shm_threshold=256 << 10) as g:
         big = pattern(1 << 20)
-        m, f, e, where = _request_and_read(g, 1, ECHO, "big", [big], 20.0)
-        assert e is None and f == [big] and g.t.stats["own_reads"] == 0
-        assert where.startswith("rrefrt-unix-"), where  # answered on the loop's thread
-        for _ in range(50):  # (the loop may hold the socket for the release meanwhile)
-            m, f, e, _ = _request_and_read(g, 1, ECHO, "small", [b"s"], 20.0)
-            assert e is None and f == [b"s"]
+        for _ in range(50):  # (the loop may hold the socket when the answer comes)
+            m, f, e, _ = _request_and_read(g, 1, ECHO, "big", [big], 20.0)
+            assert e is None and f == [big]
             if g.t.stats["own_reads"]:
                 break
         assert g.t.stats["own_reads"] >= 1
+        assert g.t.stats["shm_frames_sent"] >= 1 and g.t.stats["shm_frames_received"] >= 1
+        poll_for(lambda: g.t.shm_segments() == (1, 0), 5, lambda: f"ours: {g.t.shm_segments()}")
+        child = g.children[0]
+        poll_for(lambda: (child.tell({"cmd": "stats"}) or child.expect("stats", 5))["segments"] == [1, 0], 5,
+                 "the peer's one segment came back after we copied its answer out")
 
 
 def test_the_spin_before_a_callers_sleep_pauses_when_it_does_not_pay() -> None:

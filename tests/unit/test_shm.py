@@ -20,50 +20,79 @@ def _dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def test_pool_lends_reuses_and_caps_idle_bytes() -> None:
+def _receive(seg: shm.Segment, sizes: list[int]) -> tuple:
+    """What a receiver does: map the segment, take its frames (they alias it)."""
+    mapping = shm.map_segment(seg.fd)
+    return mapping, shm.frames_of(mapping, sizes)
+
+
+def test_pool_lends_reclaims_marked_segments_and_caps_idle_bytes() -> None:
     pool = shm.SegmentPool("t", max_idle_bytes=3 << 20)
     try:
         a = pool.acquire(100, peer=1)
-        assert a.size == shm.MIN_SEGMENT and a.lent_to == 1
+        assert a.size == shm.MIN_SEGMENT and a.lent_to == 1 and pool.lent() == 1
         a.known_by.add(1)
-        assert pool.release(a.id, peer=2) == [], "only the borrower returns a segment"
-        assert pool.release(a.id, peer=1) == []
+        mapping, frames = _receive(a, [100])
+        assert pool.acquire(shm.MIN_SEGMENT, peer=2) is not a, "a segment whose frames live stays lent"
+        del frames
+        gc.collect()
+        assert a.released() and pool.lent() == 1, "the receiver marked it; counted as lent no more"
         b = pool.acquire(shm.MIN_SEGMENT, peer=2)
-        assert b is a, "an idle segment is reused"
+        assert b is a and b.lent_to == 2 and not b.released(), "a marked segment is reclaimed and lent again"
+        shm.unmap(mapping)
         c = pool.acquire(3 << 20, peer=2)  # 4 MB class
         c.known_by.update({1, 2})
-        pool.release(b.id, 2)
-        assert sorted(pool.release(c.id, 2)) == [(1, c.id), (2, c.id)], "over the cap: closed, its holders told"
-        assert pool.count() == 1 and pool.lent() == 0
+        for seg in (b, c):
+            shm.mark_released(seg.map, seg.lease)
+        assert sorted(pool.sweep()) == [(1, c.id), (2, c.id)], "over the cap: closed, its holders told"
+        assert pool.count() == 2 and pool.lent() == 1, "the 1 MB one lent to peer 2 above is still out"
         d = pool.acquire(10, peer=3)
-        assert pool.peer_gone(3) == [] and pool.lent() == 0 and d.lent_to is None
+        assert pool.peer_gone(3) == [] and d.lent_to is None
     finally:
         pool.close()
     assert shm.count_memfds() == 0
 
 
-def test_received_frames_alias_the_segment_and_release_when_dropped() -> None:
+def test_a_late_mark_of_an_older_lease_returns_nothing() -> None:
     pool = shm.SegmentPool("t")
-    released = threading.Event()
+    try:
+        a = pool.acquire(100, peer=1)
+        mapping, frames = _receive(a, [100])
+        assert pool.peer_gone(1) == [] and a.lent_to is None  # its connection closed: back in the pool
+        b = pool.acquire(100, peer=2)
+        assert b is a
+        del frames  # the first receiver lets go of its frames only now
+        gc.collect()
+        assert not b.released() and pool.lent() == 1, "the mark names the old lease, not the current one"
+        assert pool.sweep() == [] and b.lent_to == 2
+        shm.unmap(mapping)
+    finally:
+        pool.close()
+
+
+def test_received_frames_alias_the_segment_and_mark_it_when_dropped() -> None:
+    pool = shm.SegmentPool("t")
     try:
         sizes = [5000, 1 << 20]
         seg = pool.acquire(shm.layout(sizes)[1], peer=1)
         offsets, _ = shm.layout(sizes)
         seg.map[offsets[1] : offsets[1] + 3] = b"abc"
-        mapping = shm.map_segment(seg.fd)
-        frames = shm.frames_of(mapping, sizes, released.set)
+        mapping, frames = _receive(seg, sizes)
         assert [len(f) for f in frames] == sizes and bytes(frames[1][:3]) == b"abc"
         seg.map[offsets[1] : offsets[1] + 3] = b"xyz"
         assert bytes(frames[1][:3]) == b"xyz", "the frame aliases the segment: no copy"
         view = memoryview(frames[1])[1:2]  # a derived view keeps the mapping alive
         del frames
         gc.collect()
-        assert not released.is_set()
+        assert not seg.released()
         del view
-        assert released.wait(2)
-        copied = threading.Event()
-        out = shm.frames_of(mapping, sizes, copied.set, copy_out=True)
-        assert copied.is_set() and isinstance(out[1], bytes) and out[1][:3] == b"xyz"
+        gc.collect()
+        assert seg.released()
+        seg = pool.acquire(shm.layout(sizes)[1], peer=1)
+        out = shm.frames_of(mapping, sizes, copy_out=True)
+        assert seg.released() and isinstance(out[1], bytes) and out[1][:3] == b"xyz"
+        with pytest.raises(ValueError, match="in a segment of"):
+            shm.frames_of(mapping, [len(mapping)])
         shm.unmap(mapping)
     finally:
         pool.close()

@@ -1,12 +1,12 @@
 """The receiver loop of the same-host transport (Rule 2 of ``rrefrt_transport.unix.transport``):
 one thread per process waits on every peer socket, the listening socket, admissions and
 the bell; reads whole messages and dispatches each on this thread (no hand-off on
-receipt); runs the timers; returns shared-memory segments.
+receipt); runs the timers.
 
-Thread roles: ``serve`` runs on the transport's receiver thread (``loop_thread``); ``call_soon`` and
-``released`` may be called from any thread and ring the bell; ``read_until`` runs on a
-caller's thread that waits for an answer (NOTE [Own reads]); everything else runs on the
-receiver thread.
+Thread roles: ``serve`` runs on the transport's receiver thread (``loop_thread``);
+``call_soon`` and ``want_write`` may be called from any thread and ring the bell;
+``read_until`` runs on a caller's thread that waits for an answer (NOTE [Own reads]);
+everything else runs on the receiver thread.
 
 NOTE [Own reads]: a caller blocked for its answer (``rpc_sync``, ``to_here``) used to be
 woken by the receiver thread, which the kernel had woken first: two wake-ups and a GIL
@@ -24,8 +24,7 @@ per channel:
    muted without a holder (epoll is level-triggered: bytes left unread are reported at
    once).
 3. The caller handles what needs no loop state: answers (``Pending`` of any caller: the
-   timers' lock guards the deadlines), PINGs, BYE, segment releases (the pool's lock)
-   and forgets (the channel's read side, which the token holder owns). The first message
+   timers' lock guards the deadlines), PINGs, BYE and segment forgets (the channel's read side, which the token holder owns). The first message
    of any other kind - a call, a protocol message, a nested call back to this worker -
    is handed to the loop with every message read after it (``call_soon``, in order), and
    the token goes with them: the loop dispatches them and then gives it back. So nothing
@@ -37,11 +36,8 @@ per channel:
    future as before. EOF, a failed read or a framing error are handed to the loop, whose
    verdict fails the future.
 5. Liveness is unchanged: the caller's reads set ``last_rx`` like the loop's.
-6. Not after a request that lent the peer a shared-memory segment: the peer's release of
-   it follows the answer, so the loop wakes for it while the caller runs on, and the two
-   threads then take turns at the GIL on one core (1 MB round trips: 4 -> 6-8 context
-   switches per call on the caller with own reads, no latency gained); a transfer that
-   large does not notice the one hand-off.
+6. Also after a request that lent the peer a shared-memory segment: the peer returns it by
+   a mark in the segment, no message follows the answer (NOTE [Segments] (5) in ``shm``).
 7. A bounded spin before the first sleep: the caller polls its socket without sleeping for
    up to ``spin`` (``OWN_READ_SPIN``, 200 us; ``extra["own_read_spin_us"]`` or
    ``RREFRT_OWN_SPIN_US``, 0: off) before it sleeps in ``poll``, once per wait. Spins that
@@ -71,8 +67,8 @@ polls; docs/performance.md, "Known limits"). Every request to an idle loop paid 
    ``rx_spin`` (``RX_SPIN``, 150 us; ``extra["rx_spin_us"]`` or ``RREFRT_RX_SPIN_US``, 0:
    off). A message that arrives meanwhile wakes nobody. Only while calls or answers come
    often and one came just now: the last two wakes that read one were at most 2 x
-   ``rx_spin`` apart, and the last was at most ``rx_spin`` ago (the segment releases and
-   PINGs between them do not count). So a ping-pong of small calls (the next request
+   ``rx_spin`` apart, and the last was at most ``rx_spin`` ago (PINGs between them do
+   not count). So a ping-pong of small calls (the next request
    arrives about one caller's turn after the answer left) and a burst of ``rpc_async``
    calls are caught by the spin; a large transfer (a round trip longer than 2 x
    ``rx_spin``), a worker called seldom and a loop woken by a timer never spin.
@@ -122,7 +118,7 @@ OWN_READ_LIMIT = 1.0
 #: NOTE [Own reads] (7): the default spin before a caller's first sleep, seconds
 OWN_READ_SPIN = 200e-6
 #: NOTE [Own reads] (3): kinds the caller's thread handles itself
-_OWN_KINDS = frozenset({wire.RESPONSE, wire.PING, unix_wire.SHM_RELEASE, unix_wire.SHM_FORGET, unix_wire.BYE})
+_OWN_KINDS = frozenset({wire.RESPONSE, wire.PING, unix_wire.SHM_FORGET, unix_wire.BYE})
 LISTEN = ("listen",)  #: the poller's data of the listening socket
 BELL = ("bell",)  #: the poller's data of the bell
 
@@ -160,7 +156,6 @@ class Receiver:
         self_pending: dict[int, Pending],
         on_message: OnMessage,
         timers: Timers,
-        pool: shm.SegmentPool,
         bell: Bell,
         stats: collections.Counter,
         shm_copy_out: bool,
@@ -172,7 +167,6 @@ class Receiver:
         self._self_pending = self_pending  #: requests to ourselves (the transport's)
         self._on_message = on_message
         self.timers = timers
-        self._pool = pool
         self.loop_thread = 0  #: ident of the thread that runs ``serve``
         self._stats = stats
         self._shm_copy_out = shm_copy_out
@@ -180,7 +174,6 @@ class Receiver:
         self.bell = bell
         self.poller.register(self.bell.fd, READ, BELL)
         self._calls: collections.deque = collections.deque()  #: functions to run on the loop
-        self._releases: collections.deque = collections.deque()  #: (peer id, segment id) from finalizers
         self._watch_needed = False
         self.n_received = 0
         #: NOTE [Own reads] (7): seconds a caller polls before its first sleep (0: never)
@@ -201,12 +194,6 @@ class Receiver:
         self._watch_needed = True
         self.bell.ring()
 
-    def released(self, peer_id: int, seg_id: int) -> None:
-        """A finalizer: the last view of a segment's frames went; the loop tells its sender."""
-        if not self._host.closing:
-            self._releases.append((peer_id, seg_id))
-            self.bell.ring()
-
     # ------------------------------------------------------------------ the loop
     def serve(self) -> None:
         """Run the loop on this thread until the transport closes, then shut it down."""
@@ -221,7 +208,7 @@ class Receiver:
                 timeout = due - _now()
                 if timeout < 0.0:
                     timeout = 0.0
-                if self._calls or self._releases:
+                if self._calls:
                     timeout = 0.0
                 ready = rx_spin.before_sleep(poll_now, timeout, self._stats, "rx_spin")
                 if ready is not None and not ready:  # a spin that missed took some of the sleep's time
@@ -244,8 +231,6 @@ class Receiver:
                 calls = self._calls
                 while calls:
                     guard(calls.popleft())
-                if self._releases:
-                    self._send_releases()
                 if self._watch_needed:
                     self.watch_writes()
                 due = timers.run_due()
@@ -333,9 +318,12 @@ class Receiver:
                 why = f"it named shared-memory segment {m.seg_id} it never sent"
                 self.on_loop(lambda: self._host.close_connection(ch, why, True))
                 return None
-            pid, seg_id = ch.id, m.seg_id
-            release = lambda: self.released(pid, seg_id)  # noqa: E731
-            mapped = iter(shm.frames_of(mapping, m.shm_sizes, release, self._shm_copy_out))
+            try:
+                mapped = iter(shm.frames_of(mapping, m.shm_sizes, self._shm_copy_out))
+            except ValueError as e:
+                why = f"it sent frames that do not fit shared-memory segment {m.seg_id} ({e})"
+                self.on_loop(lambda: self._host.close_connection(ch, why, True))
+                return None
             frames = [f if f is not None else next(mapped) for f in frames]
             self._stats["shm_frames_received"] += len(m.shm_sizes)
         try:
@@ -453,12 +441,6 @@ class Receiver:
             pass
         elif ch is None:
             self._stats["bad_frames_dropped"] += 1
-        elif kind == unix_wire.SHM_RELEASE and type(meta) is list:
-            forget: list[tuple[int, int]] = []
-            for seg in meta:
-                if type(seg) is int:
-                    forget += self._pool.release(seg, ch.id)
-            self.forget(forget)
         elif kind == unix_wire.SHM_FORGET and type(meta) is list:
             for seg in meta:
                 if type(seg) is int:
@@ -472,17 +454,6 @@ class Receiver:
             self._stats["bad_frames_dropped"] += 1
 
     # ------------------------------------------------------------------ shared memory
-    def _send_releases(self) -> None:
-        by_peer: dict[int, list[int]] = {}
-        while self._releases:
-            pid, seg = self._releases.popleft()
-            by_peer.setdefault(pid, []).append(seg)
-        for pid, segs in by_peer.items():
-            ch = self._channels.get(pid)
-            if ch is not None and ch.state is UP:
-                ch.write(unix_wire.encode(unix_wire.SHM_RELEASE, 0, segs, ()))
-        self.watch_writes()
-
     def forget(self, forget: list[tuple[int, int]]) -> None:
         """Tell each peer which of our segments it must unmap (the pool destroyed them)."""
         by_peer: dict[int, list[int]] = {}

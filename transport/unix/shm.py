@@ -1,8 +1,8 @@
 """Pooled shared-memory segments for large frames between processes of one host.
 
 Owns: the sender's pool of memfd segments (created, pre-faulted, lent, returned, closed) and
-the receiver's mapping of a segment it was sent (frames that alias it, and the callback
-that fires when the last of them is released).
+the receiver's mapping of a segment it was sent (frames that alias it, and the mark it
+leaves when the last of them is gone).
 
 NOTE [Segments]:
 
@@ -17,14 +17,30 @@ NOTE [Segments]:
    one small exporter object per message (a ctypes array over the used bytes: a plain
    memoryview cannot say when its last derived view died). When that exporter is freed
    (the runtime dropped the frames and whatever it built on them) ``weakref.finalize``
-   fires and the receiver tells the sender (``SHM_RELEASE``), which puts the segment back
-   in its pool. A receiver that is told to
-   copy out (``copy_out``) copies the frames and releases at once.
-3. A segment lent to a peer comes back on release or when that peer dies (its mappings
-   died with it). The pool keeps at most ``max_idle_bytes`` of idle segments; a segment
-   returned beyond that is closed, and peers that hold its fd are told to forget it.
+   fires and the receiver marks the segment released in the segment itself (5); the
+   sender takes it back into its pool when it next needs one. A receiver that is told to
+   copy out (``copy_out``) copies the frames and marks the segment at once.
+3. A segment lent to a peer comes back when its mark says so or when that peer dies or its
+   connection closes (its mappings died with it, or no message of it will be read). The
+   pool keeps at most ``max_idle_bytes`` of idle segments; a segment returned beyond that
+   is closed, and peers that hold its fd are told to forget it (``SHM_FORGET``).
 4. Segments are pre-faulted when created (``posix_fallocate`` allocates the shmem pages),
    and sized in powers of two from ``MIN_SEGMENT`` so that a pool serves varying sizes.
+5. Release marks, not messages. Past a segment's frames (its ``size``) lies one cache line
+   (``TRAILER``) of two 64-bit words: the lease, which the sender writes when it lends the
+   segment (a number that grows with every lease), and the release, where the receiver
+   writes the lease it read with the frames once their last view is gone. The sender
+   reclaims a lent segment whose release equals its lease: when no idle segment fits a
+   send (``acquire``), on every heartbeat (``sweep``, which also closes what exceeds the
+   idle cap) and when counting (``lent``). So a release costs the receiver one store - no
+   message, no wake-up of either side's loop - where a 1 MB round trip used to carry two
+   SHM_RELEASE messages, each waking a sleeping loop, and the caller could not read its
+   own answer because the callee's release followed it (NOTE [Own reads] in
+   ``receiver``). The lease number keeps a late release from an older lease (a peer whose
+   connection closed while it still held frames) from returning a segment lent since.
+   Order: the receiver stores its release after its last read of the frames, the sender
+   reads the release before it writes the segment again (x86's order for these; between
+   processes on one host).
 """
 
 from __future__ import annotations
@@ -33,15 +49,19 @@ import ctypes
 import logging
 import mmap
 import os
+import struct
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 log = logging.getLogger("rrefrt.transport")
 
 PAGE = mmap.PAGESIZE
 MIN_SEGMENT = 1 << 20
+#: NOTE [Segments] (5): bytes past a segment's frames: its lease and release words
+TRAILER = 64
+_WORD = struct.Struct("<Q")
 
 
 def align(n: int) -> int:
@@ -64,78 +84,128 @@ def _size_class(n: int) -> int:
     return size
 
 
+def lease_of(mapping: mmap.mmap) -> int:
+    """The lease a sender wrote past the frames of the segment ``mapping`` maps."""
+    end = len(mapping)
+    return _WORD.unpack(mapping[end - 16 : end - 8])[0]
+
+
+def mark_released(mapping: mmap.mmap, lease: int) -> None:
+    """The receiver: every frame of lease ``lease`` of this segment is gone (NOTE [Segments]
+    (5)). A mapping already closed (its sender closed the segment) takes no mark."""
+    end = len(mapping)
+    try:
+        mapping[end - 8 : end] = _WORD.pack(lease)
+    except ValueError:
+        pass
+
+
 @dataclass(eq=False)
 class Segment:
     id: int
     fd: int
-    size: int
+    size: int  #: bytes for frames; the file has ``TRAILER`` more
     map: mmap.mmap
     #: peers this segment's fd was sent to (they may map it by id from then on)
     known_by: set[int] = field(default_factory=set)
     #: peer it is lent to now; None while idle in the pool
     lent_to: int | None = None
+    lease: int = 0  #: the number of its current (or last) lease
+
+    def released(self) -> bool:
+        """Its receiver marked the current lease released."""
+        return _WORD.unpack_from(self.map, self.size + TRAILER - 8)[0] == self.lease
 
 
 class SegmentPool:
-    """The sender side: segments lent to peers and returned by them. Thread-safe."""
+    """The sender side: segments lent to peers and reclaimed once released. Thread-safe."""
 
     def __init__(self, name: str, max_idle_bytes: int = 256 << 20) -> None:
         self._name = name
         self._max_idle = max_idle_bytes
         self._lock = threading.Lock()
         self._next_id = 1
+        self._leases = 0
         self._idle: dict[int, list[Segment]] = {}  #: size class -> idle segments
         self._idle_bytes = 0
         self._all: dict[int, Segment] = {}  #: id -> every live segment
+        self._lent: dict[int, Segment] = {}  #: id -> segments lent now
+        #: (peer, segment id) of segments closed by ``acquire``: ``sweep`` hands them on
+        self._forget: list[tuple[int, int]] = []
         self._closed = False
 
     def acquire(self, nbytes: int, peer: int) -> Segment:
-        """A segment of at least ``nbytes``, lent to ``peer`` until ``release``."""
+        """A segment of at least ``nbytes``, lent to ``peer`` until it marks it released."""
         size = _size_class(nbytes)
         with self._lock:
             if self._closed:
                 raise RuntimeError("segment pool closed")
-            free = None
-            for cls in (size, size * 2, size * 4):  # a larger idle segment serves too
-                free = self._idle.get(cls)
-                if free:
-                    break
-            if free:
-                seg = free.pop()
-                self._idle_bytes -= seg.size
-                seg.lent_to = peer
+            seg = self._idle_fit(size)
+            if seg is None and self._lent:
+                self._forget += self._reclaim()
+                seg = self._idle_fit(size)
+            if seg is not None:
+                self._lend(seg, peer)
                 return seg
             seg_id = self._next_id
             self._next_id += 1
         seg = self._create(seg_id, size)
-        seg.lent_to = peer
         with self._lock:
             if self._closed:
                 self._destroy(seg)
                 raise RuntimeError("segment pool closed")
             self._all[seg_id] = seg
+            self._lend(seg, peer)
         return seg
+
+    def _idle_fit(self, size: int) -> Segment | None:
+        for cls in (size, size * 2, size * 4):  # a larger idle segment serves too
+            free = self._idle.get(cls)
+            if free:
+                seg = free.pop()
+                self._idle_bytes -= seg.size
+                return seg
+        return None
+
+    def _lend(self, seg: Segment, peer: int) -> None:
+        self._leases += 1
+        seg.lease = self._leases
+        _WORD.pack_into(seg.map, seg.size + TRAILER - 16, seg.lease)
+        seg.lent_to = peer
+        self._lent[seg.id] = seg
 
     def _create(self, seg_id: int, size: int) -> Segment:
         fd = os.memfd_create(f"rrefrt-{self._name}-{seg_id}", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)  # allocate the pages now, not on first touch
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(fd, size + TRAILER)
+            os.posix_fallocate(fd, 0, size + TRAILER)  # allocate the pages now, not on first touch
+            m = mmap.mmap(fd, size + TRAILER, mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                          mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
         return Segment(seg_id, fd, size, m)
 
-    def release(self, seg_id: int, peer: int) -> list[tuple[int, int]]:
-        """``peer`` is done with ``seg_id``. Returns (peer, segment id) pairs of segments
-        closed now, which those peers should forget."""
+    def _reclaim(self) -> list[tuple[int, int]]:
+        """Under the lock: every lent segment marked released goes back (NOTE [Segments] (5))."""
+        forget: list[tuple[int, int]] = []
+        for seg in [s for s in self._lent.values() if s.released()]:
+            forget += self._unlend(seg)
+        return forget
+
+    def _unlend(self, seg: Segment) -> list[tuple[int, int]]:
+        del self._lent[seg.id]
+        seg.lent_to = None
+        return self._park(seg)
+
+    def sweep(self) -> list[tuple[int, int]]:
+        """Reclaim what receivers released. Returns (peer, segment id) pairs of segments
+        closed since the last sweep, which those peers should forget."""
         with self._lock:
-            seg = self._all.get(seg_id)
-            if seg is None or seg.lent_to != peer:
-                return []
-            seg.lent_to = None
-            return self._park(seg)
+            forget, self._forget = self._forget, []
+            if self._lent:
+                forget += self._reclaim()
+            return forget
 
     def _park(self, seg: Segment) -> list[tuple[int, int]]:
         if self._closed or self._idle_bytes + seg.size > self._max_idle:
@@ -148,19 +218,20 @@ class SegmentPool:
         return []
 
     def peer_gone(self, peer: int) -> list[tuple[int, int]]:
-        """``peer`` died or left: every segment lent to it comes back, none is known by it."""
+        """``peer`` died or its connection closed: every segment lent to it comes back, none
+        is known by it."""
         forget: list[tuple[int, int]] = []
         with self._lock:
             for seg in list(self._all.values()):
                 seg.known_by.discard(peer)
                 if seg.lent_to == peer:
-                    seg.lent_to = None
-                    forget += self._park(seg)
+                    forget += self._unlend(seg)
         return [f for f in forget if f[0] != peer]
 
     def lent(self) -> int:
+        """Segments lent now and not yet marked released."""
         with self._lock:
-            return sum(1 for s in self._all.values() if s.lent_to is not None)
+            return sum(1 for s in self._lent.values() if not s.released())
 
     def count(self) -> int:
         with self._lock:
@@ -180,6 +251,7 @@ class SegmentPool:
             segs = list(self._all.values())
             self._all.clear()
             self._idle.clear()
+            self._lent.clear()
             self._idle_bytes = 0
         for seg in segs:
             self._destroy(seg)
@@ -192,24 +264,26 @@ def map_segment(fd: int) -> mmap.mmap:
     return mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def frames_of(
-    mapping: mmap.mmap, sizes: Sequence[int], on_release: Callable[[], None], copy_out: bool = False
-) -> list[memoryview | bytes]:
+def frames_of(mapping: mmap.mmap, sizes: Sequence[int], copy_out: bool = False) -> list[memoryview | bytes]:
     """Frames of ``sizes`` laid out by ``layout`` in a mapped segment.
 
     The frames alias the mapping through one small per-message exporter (a ctypes array
-    over the used bytes); ``on_release`` runs - on whichever thread drops the last view,
-    so it must only hand work on - once neither the frames nor anything built on them (a
-    memoryview, a numpy array, a tensor) is referenced any more. With ``copy_out`` the
-    frames are copied out and ``on_release`` runs before returning."""
+    over the used bytes); the segment is marked released (NOTE [Segments] (5)) - on
+    whichever thread drops the last view - once neither the frames nor anything built on
+    them (a memoryview, a numpy array, a tensor) is referenced any more. With ``copy_out``
+    the frames are copied out and the segment marked before returning. Raises ValueError
+    for frames that do not fit the segment (a peer that broke the protocol)."""
     offsets, used = layout(sizes)
+    if used > len(mapping) - TRAILER:
+        raise ValueError(f"frames of {used} bytes in a segment of {len(mapping) - TRAILER}")
+    lease = lease_of(mapping)
     if copy_out:
         try:
             return [mapping[o : o + n] for o, n in zip(offsets, sizes)]
         finally:
-            on_release()
+            mark_released(mapping, lease)
     holder = (ctypes.c_char * used).from_buffer(mapping)
-    weakref.finalize(holder, on_release)
+    weakref.finalize(holder, mark_released, mapping, lease)
     whole = memoryview(holder).cast("B")
     frames: list[memoryview | bytes] = [whole[o : o + n] for o, n in zip(offsets, sizes)]
     return frames

@@ -6,7 +6,7 @@ The objects, one per concern, and the threads that run them:
 |---|---|---|---|
 | ``UnixTransport`` | transport.py | the Transport API, the join, liveness verdicts, teardown, close | callers' threads (API); the loop (verdicts, teardown) |
 | ``Channel`` | channel.py | one peer: socket, state, its pending requests, the bounded send queue and writer, read state | any thread writes; the loop reads |
-| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers, segment releases; a caller's read of its own answer (NOTE [Own reads]) | the receiver thread; a waiting caller |
+| ``Receiver`` | receiver.py | the loop: wait, read, dispatch, timers; a caller's read of its own answer (NOTE [Own reads]) | the receiver thread; a waiting caller |
 | ``Timers`` | timers.py | the timer heap and the deadline slices of requests | any thread pushes; the loop runs |
 | ``Poller``, ``Bell`` | poller.py | epoll over the sockets; the eventfd that wakes the loop | the loop (any thread rings) |
 | ``Acceptor`` | admit.py | admission of accepted connections (peer credentials, HMAC) | the loop; ``connect_and_admit`` on the joining thread |
@@ -233,7 +233,7 @@ class UnixTransport:
         bell = Bell()
         self._timers = Timers(bell.ring, self._expire)
         self._rx = Receiver(
-            self.name, self.id, self, self._peers, self._self_pending, on_message, self._timers, self._pool,
+            self.name, self.id, self, self._peers, self._self_pending, on_message, self._timers,
             bell, self._stats, bool(ex.get("shm_copy_out", False)),
         )
         # NOTE [Own reads] (7) and NOTE [Receiver spin] in receiver.py; 0 turns a spin off
@@ -245,8 +245,6 @@ class UnixTransport:
         self._joined = threading.Condition(threading.Lock())
         self._join_error: TransportError | None = None
         self._thread = threading.Thread(target=self._run, name=f"rrefrt-{plane}-{self.name}", daemon=True)
-        #: per thread: the peer its last message lent a segment to (NOTE [Own reads] (6))
-        self._lent = threading.local()
 
     @property
     def stats(self) -> collections.Counter:
@@ -595,10 +593,6 @@ class UnixTransport:
         [Own reads] in rrefrt_transport.unix.receiver), until ``done()`` or a bounded time;
         returns at once where it cannot (the loop reads that peer now, or this is the loop's
         thread)."""
-        if self._lent.__dict__.pop("to", None) == dest:
-            # NOTE [Own reads] (6): this thread's request lent the peer a segment: its release
-            # follows the answer, and the loop would wake for it while this thread runs on
-            return
         ch = self._peers.get(dest)
         if ch is None or ch.state is not UP or self.closing or self.on_loop_thread():
             return
@@ -725,7 +719,6 @@ class UnixTransport:
         attach = ch.id not in seg.known_by
         seg.known_by.add(ch.id)
         self._stats["shm_frames_sent"] += len(big)
-        self._lent.to = ch.id  # NOTE [Own reads] (6)
         bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags))
         if not ch.write(bufs, (seg.fd,) if attach else (), deadline):
             self._pool.peer_gone(ch.id)
@@ -766,6 +759,7 @@ class UnixTransport:
         for ch in up:
             if ch.state is UP and ch.idle():  # traffic already under way proves us alive
                 ch.write(ping)
+        self._rx.forget(self._pool.sweep())  # NOTE [Segments] (5) in shm.py: released ones come back
         self._rx.watch_writes()
         for what, sock in self._acceptor.expire(now) if self._acceptor else ():
             self._admission(what, sock)

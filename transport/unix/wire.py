@@ -6,8 +6,8 @@ incremental reader that cuts the stream back into messages.
 
 Admission (NOTE [Same-host admission] in docs/same-host.md), connector C, acceptor A::
 
-    C -> A  HELLO    magic "RRU2" | id u32 | incarnation u64 | limit u64 | nonce_c 32 bytes
-    A -> C  WELCOME  magic "RRU2" | id u32 | incarnation u64 | limit u64 | nonce_s 32 | mac_a 32
+    C -> A  HELLO    magic "RRU3" | id u32 | incarnation u64 | limit u64 | nonce_c 32 bytes
+    A -> C  WELCOME  magic "RRU3" | id u32 | incarnation u64 | limit u64 | nonce_s 32 | mac_a 32
     C -> A  PROOF    mac_c 32
     A -> C  ADMIT    b"OK!!"
 
@@ -30,13 +30,13 @@ A message on the stream (little endian)::
     the inline frames, in order
 
 Frames in shared memory are laid out by ``shm.layout`` in the named segment; the fd of a
-segment rides (SCM_RIGHTS) on the first message that uses it on this connection.
+segment rides (SCM_RIGHTS) on the first message that uses it on this connection. The
+receiver returns a segment by a mark in the segment, not by a message (NOTE [Segments] (5)
+in ``shm``).
 
 Transport kinds of this transport beside wire's HELLO/HELLO_ACK/PING/RESPONSE (1-4):
 
     kind             meta                    meaning
-    SHM_RELEASE (8)  [segment id, ...]       the receiver dropped every frame of these
-                                             segments: they go back to the sender's pool
     SHM_FORGET (9)   [segment id, ...]       the sender closed these segments: drop their fds
     BYE (10)         None                    orderly close: the peer is going away
     CLOSE (11)       [cause]                 the sender closes this connection after a
@@ -64,9 +64,9 @@ from typing import Any, Sequence
 
 from rrefrt_transport import wire
 
-SHM_RELEASE, SHM_FORGET, BYE, CLOSE = 8, 9, 10, 11
+SHM_FORGET, BYE, CLOSE = 9, 10, 11
 
-MAGIC = b"RRU2"
+MAGIC = b"RRU3"
 _ID = struct.Struct("<4sIQQ32s")  # magic, id, incarnation, limit (max_message_size), nonce
 HELLO_LEN = _ID.size
 WELCOME_LEN = _ID.size + 32
