@@ -22,19 +22,23 @@ from typing import Any, Callable
 #: the default bound of a loop's spin before it sleeps, seconds (NOTE [Receiver spin];
 #: ``extra["rx_spin_us"]`` or ``RREFRT_RX_SPIN_US``, 0: off)
 RX_SPIN = 150e-6
+#: NOTE [Receiver spin] (4), NOTE [Own reads] (7): where the last gap between messages (a
+#: loop) or the last wait for an answer (a caller) was at most ``STRETCH_MAX``, a spin
+#: stretches to ``STRETCH`` x it (the next one is due about as long after)
+STRETCH_MAX = 500e-6
+STRETCH = 1.5
 #: this many spins in a row that end without a message ...
 SPIN_MISSES = 4
 #: ... stop the spinning for this many waits
 SPIN_PAUSE = 64
 
 
-def spin(holder: Any, poll_once: Callable[[], Any], seconds: float, yield_core: bool, stats: Any, name: str) -> Any:
-    """Call ``poll_once`` without sleeping for up to ``seconds``; its first truthy result, or
-    a falsy one (a miss). ``holder`` (a channel for a caller's spin, a ``LoopSpin`` for a
-    loop's) keeps ``spin_misses`` and ``spin_skip``: SPIN_MISSES misses in a row set
-    ``spin_skip`` to SPIN_PAUSE, which its user counts down instead of spinning.
-    ``yield_core``: yield the core between polls (a loop's spin, whose pool thread may wait
-    for this core). Counted in ``stats`` as ``<name>_hits`` and ``<name>_pauses``."""
+def spin(holder: Any, poll_once: Callable[[], Any], seconds: float, stats: Any, name: str) -> Any:
+    """Call ``poll_once`` without sleeping for up to ``seconds``, yielding the core between
+    polls; its first truthy result, or a falsy one (a miss). ``holder`` (a channel for a
+    caller's spin, a ``LoopSpin`` for a loop's) keeps ``spin_misses`` and ``spin_skip``:
+    SPIN_MISSES misses in a row set ``spin_skip`` to SPIN_PAUSE, which its user counts down
+    instead of spinning. Counted in ``stats`` as ``<name>_hits`` and ``<name>_pauses``."""
     end = _now() + seconds
     while True:
         ready = poll_once()
@@ -44,8 +48,10 @@ def spin(holder: Any, poll_once: Callable[[], Any], seconds: float, yield_core: 
             return ready
         if _now() >= end:
             break
-        if yield_core:
-            os.sched_yield()  # a thread of ours that this core should run (the pool's) goes first
+        # whatever else this core should run goes first: a loop's pool thread that runs the
+        # call it just handed on (NOTE [Receiver spin] (2)), a worker that shares the core
+        # and must run before the answer can come (NOTE [Own reads] (7))
+        os.sched_yield()
     holder.spin_misses += 1
     if holder.spin_misses >= SPIN_MISSES:
         holder.spin_misses = 0
@@ -62,10 +68,11 @@ def configured(extra: dict, key: str, env: str, default: float) -> float:
 
 
 class LoopSpin:
-    """When a loop spins before it sleeps (NOTE [Receiver spin] (1) in
+    """When a loop spins before it sleeps (NOTE [Receiver spin] (1) and (4) in
     ``rrefrt_transport.unix.receiver``): while the messages that count come often (the last
-    two at most 2 x ``seconds`` apart) and one came just now (at most ``seconds`` ago).
-    Loop thread only."""
+    two at most 2 x ``seconds`` apart) and one came just now (at most ``seconds`` ago), for
+    up to ``seconds``; or while the last gap was at most ``STRETCH_MAX``, until ``STRETCH``
+    x that gap after the last message. Loop thread only."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds  #: the spin's bound (0: never)
@@ -84,10 +91,17 @@ class LoopSpin:
         (falsy: a miss, which took some of the sleep's time). Counted in ``stats`` as
         ``<name>s``, ``<name>_hits`` and ``<name>_pauses``."""
         s = self.seconds
-        if timeout <= 0.0 or not s or self.gap > 2.0 * s or _now() - self.last > s:
+        if timeout <= 0.0 or not s:
+            return None
+        gap, since = self.gap, _now() - self.last
+        if gap <= 2.0 * s and since <= s:  # (1): often, and one just now
+            length = s
+        elif gap <= STRETCH_MAX and since < STRETCH * gap:  # (4): the next is due soon
+            length = STRETCH * gap - since
+        else:
             return None
         if self.spin_skip:
             self.spin_skip -= 1
             return None
         stats[name + "s"] += 1
-        return spin(self, poll_once, min(s, timeout), True, stats, name)
+        return spin(self, poll_once, min(length, timeout), stats, name)

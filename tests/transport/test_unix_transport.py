@@ -815,6 +815,34 @@ def test_the_spin_before_a_callers_sleep_pauses_when_it_does_not_pay() -> None:
         assert g.t.stats["own_read_spin_pauses"] == 1
 
 
+def test_a_callers_spin_stretches_to_the_last_wait_for_an_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [Own reads] (7): a caller whose last own read waited at most STRETCH_MAX for its
+    answer spins up to STRETCH x that wait (a 1 MB round trip's answer comes after ~300 us,
+    past the 200 us bound); a longer last wait leaves the bound as it is."""
+    from rrefrt_transport.unix import receiver
+
+    bounds: list[float] = []
+    real = receiver.spin_poll
+
+    def recording(holder: Any, poll_once: Any, seconds: float, *a: Any) -> Any:
+        bounds.append(seconds)
+        return real(holder, poll_once, seconds, *a)
+
+    monkeypatch.setattr(receiver, "spin_poll", recording)
+    with group(1) as g:
+        ch = g.t._peers[1]
+        for last, want in ((1.0, receiver.OWN_READ_SPIN), (300e-6, 450e-6), (100e-6, receiver.OWN_READ_SPIN),
+                           (spin.STRETCH_MAX + 1e-6, receiver.OWN_READ_SPIN)):
+            for _ in range(50):  # (a wait that finds the loop reading the socket reads nothing itself)
+                ch.last_wait, ch.spin_skip, n = last, 0, len(bounds)
+                m, f, e, _ = _request_and_read(g, 1, ECHO, "x", [b"x"], 10.0)
+                assert e is None
+                if len(bounds) > n:
+                    break
+            assert bounds[-1] == pytest.approx(want), (last, bounds[-1])
+            assert ch.last_wait < 1.0, "the wait that got its answer is recorded"
+
+
 def test_a_lazy_connection_waits_for_a_peer_still_joining(monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [Lazy same-host connections]: w0 has the group and calls w1, whose transport is
     up but does not know the group yet (its init_rpc is still joining): w1's admission

@@ -152,6 +152,8 @@ class Channel:
         #: waits skip the spin now (the read token's holder alone updates them)
         self.spin_misses = 0
         self.spin_skip = 0
+        #: NOTE [Own reads] (7): how long the last own read that got its answer waited for it
+        self.last_wait = 1.0
 
     def claim_read(self, if_busy: Callable[[], None] | None = None) -> bool:
         """Take the read token; False: another thread reads this channel now (then

@@ -44,7 +44,19 @@ per channel:
    end without an answer ``SPIN_MISSES`` times in a row on a channel pause the spinning
    there for ``SPIN_PAUSE`` waits (both in ``rrefrt_transport.spin``), so a peer that
    answers late (a long call) or shares this core (it cannot answer while we spin) costs
-   at most 4 spins per 68 waits.
+   at most 4 spins per 68 waits. The spin stretches to ``STRETCH`` (1.5) x the channel's
+   last wait for an answer where that was at most ``STRETCH_MAX`` (500 us; both in
+   ``rrefrt_transport.spin``): a 1 MB round trip's answer comes some 300 us after the
+   request, past the 200 us bound, and each wait missed it and slept. It yields the core
+   between polls: a worker that shares this core may be the one that must run before the
+   answer can come (3 workers on 2 cores, user->user forks).
+   Measured (bench/bench_rpc.py, A/B against the same spin without the stretch and the
+   yield, 3 rounds, 2 workers one per core unless said): a 1 MB round trip 0.65x the time
+   for 1.20x the CPU per call (both sides, and with the loop's stretch, NOTE [Receiver
+   spin] (4); without it 0.88x: both ends wake for each message otherwise); forks 1.11x
+   the rate for 0.89x the CPU per fork; 8 workers on 2 cores 1.10x the calls per second;
+   rpc_sync, rpc_async, 4 KB, remote() + to_here() and 16-64 MB unchanged (0.98-1.02x).
+   The stretch without the yield cost forks 0.82x the rate.
    Measured with 2 workers pinned one per core on the loaded 2-core machine (paired A/B,
    4 rounds, load average about 2): rpc_sync no-op p50 140 -> 99 us, remote() +
    to_here() 191 -> 160 us, 4 KB round trip 282 -> 238 us, for 0-18% more CPU per call
@@ -77,6 +89,12 @@ polls; docs/performance.md, "Known limits"). Every request to an idle loop paid 
 3. ``SPIN_MISSES`` spins in a row that catch nothing pause it for ``SPIN_PAUSE`` waits (as
    a caller's spin, (7) above): a caller that stops, or calls just too seldom to be
    caught, costs at most 4 spins per 68 waits.
+4. Where the last gap between two messages that count was longer than (1) reaches but at
+   most ``STRETCH_MAX`` (500 us), the loop spins until ``STRETCH`` (1.5) x that gap after
+   the last one, when the next is due (a 1 MB ping-pong: a request every 350-550 us). It
+   pays together with a caller's stretched spin (NOTE [Own reads] (7), measured there):
+   each side then catches the other's message without a wake-up. Messages further apart
+   than 500 us never make a loop spin, so a worker called seldom sleeps as before.
    Measured with 2 workers pinned one per core (bench/bench_rpc.py, A/B against a 50 us
    spin that caught bursts only, 3 rounds): rpc_sync no-op p50 0.61x, p99 0.59x, for 0.81x
    the CPU per call (both sides: the caller's sendmsg no longer wakes a sleeper and its own
@@ -100,7 +118,7 @@ from typing import Any, Callable, Protocol
 
 from rrefrt_transport import wire
 from rrefrt_transport.base import OnMessage
-from rrefrt_transport.spin import RX_SPIN, LoopSpin
+from rrefrt_transport.spin import RX_SPIN, STRETCH, STRETCH_MAX, LoopSpin
 from rrefrt_transport.spin import spin as spin_poll
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
@@ -360,7 +378,8 @@ class Receiver:
     def _read_own(self, ch: Channel, sock: Any, done: Callable[[], bool], timeout: float | None) -> bool:
         """True: the token went to the loop with the messages handed to it."""
         limit = OWN_READ_LIMIT if timeout is None or timeout <= 0 else min(timeout, OWN_READ_LIMIT)
-        end = _now() + limit
+        start = _now()
+        end = start + limit
         poll = select.poll()
         poll.register(sock.fileno(), select.POLLIN)
         host = self._host
@@ -369,12 +388,14 @@ class Receiver:
         if spin and ch.spin_skip:
             ch.spin_skip -= 1
             spin = 0.0
+        elif spin and ch.last_wait <= STRETCH_MAX:  # (7): the answer is due about as late as the last
+            spin = max(spin, STRETCH * ch.last_wait)
         while not done() and ch.state is UP and not host.closing:
             left = end - _now()
             if left <= 0:
                 return False
             if spin:  # (7): one spin per wait, before its first sleep
-                caught = spin_poll(ch, lambda: poll.poll(0), spin, False, self._stats, "own_read_spin")
+                caught = spin_poll(ch, lambda: poll.poll(0), spin, self._stats, "own_read_spin")
                 spin = 0.0
                 if not caught:
                     continue
@@ -402,6 +423,8 @@ class Receiver:
                     return True
                 if ch.state is UP:
                     self.dispatch(ch, *got)
+        if done():
+            ch.last_wait = _now() - start
         return False
 
     def _dispatch_handed(self, ch: Channel, items: list) -> None:
