@@ -59,6 +59,7 @@ _SUBMODULES = ("functions", "futures")
 _PRIVATE: dict[str, str] = {
     "_set_rpc_timeout": "api",
     "_get_debug_info": "api",
+    "_rref_context_get_debug_info": "api",
     "_get_current_rpc_agent": "api",
 }
 

@@ -318,6 +318,17 @@ def _get_debug_info() -> dict[str, Any]:
     return get_debug_info()
 
 
+def _rref_context_get_debug_info() -> dict[str, str]:
+    """torch's ``rpc._rref_context_get_debug_info``: the RRef context's counters alone, as
+    strings (``num_owner_rrefs``, ``num_forks``, ``num_pending_users``, ...; and
+    ``num_pending_futures``, always "0": rrefrt's context keeps no futures, a fetch waits on
+    its call's). One lock and no transport or pool: cheap enough to poll while the protocol
+    settles (``get_debug_info()`` has these counters and everything else)."""
+    info = {k: str(v) for k, v in state.current().ctx.counts().items()}
+    info.setdefault("num_pending_futures", "0")
+    return info
+
+
 def _get_current_rpc_agent() -> AgentView:
     """torch's ``rpc._get_current_rpc_agent``: a view with ``get_worker_infos()``,
     ``get_worker_info(name=None)`` and ``get_debug_info()`` (rrefrt/agent_view.py)."""

@@ -210,6 +210,10 @@ def test_torchs_private_helpers_that_programs_call():
         assert rrefrt._get_current_rpc_agent().get_worker_infos() == [rrefrt.WorkerInfo("w0", 0)]
         assert rrefrt._get_current_rpc_agent().get_worker_info().name == "w0"
         assert rrefrt._get_debug_info()["num_owner_rrefs"] == 0
+        counts = rrefrt._rref_context_get_debug_info()  # torch's keys, string values
+        assert {"num_owner_rrefs", "num_forks", "num_pending_users", "num_pending_futures"} <= set(counts)
+        full = rrefrt.get_debug_info()
+        assert all(counts[k] == str(full[k]) for k in counts if k != "num_pending_futures"), (counts, full)
         rrefrt.api._wait_all_workers(5.0)
         rrefrt.api._wait_all_workers(5.0)  # twice: each call is a barrier of its own
         with pytest.raises(ValueError):

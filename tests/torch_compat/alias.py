@@ -17,23 +17,18 @@ RemoteModule tests import it by name). torch's private ``_RemoteModule`` (the To
 variant, ``_module_interface_cls``) stays torch's.
 
 It also sets the private helpers rrefrt provides with torch's meaning (``PRIVATE_NAMES``:
-``_set_rpc_timeout``, ``_get_debug_info``, ``_get_current_rpc_agent`` - on the module and on
-its ``api`` submodule - and ``api._wait_all_workers``).
+``_set_rpc_timeout``, ``_get_debug_info``, ``_get_current_rpc_agent``,
+``_rref_context_get_debug_info`` (which torch's harness, ``dist_utils``, polls to wait for the
+RRef protocol to settle) - on the module and on its ``api`` submodule where torch has them
+there - and ``api._wait_all_workers``).
 
 What the alias does not cover, on purpose: torch's other private helpers (``rpc.api._all_gather``,
 ``rpc.api._barrier``, ``rpc.internal``, ``rpc.backend_registry``), the TensorPipe agent and the
 server-side profiler. Tests that reach for those keep talking to torch's own (uninitialised) RPC
 runtime and are listed in docs/compatibility.md as expected to differ.
-
-One private helper is adapted rather than left alone: ``_rref_context_get_debug_info``. The
-test harness itself (``torch.testing._internal.dist_utils``) polls it to wait for the RRef
-protocol to settle; rrefrt has the same counters under ``rrefrt.get_debug_info()``, so the
-alias returns them in torch's shape (string values, ``num_pending_futures`` included).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 #: ``torch.distributed.rpc`` name -> ``rrefrt`` name.
 PUBLIC_NAMES: dict[str, str] = {
@@ -74,20 +69,10 @@ PRIVATE_NAMES: dict[str, str] = {
     "_set_rpc_timeout": "_set_rpc_timeout",
     "_get_debug_info": "_get_debug_info",
     "_get_current_rpc_agent": "_get_current_rpc_agent",
+    "_rref_context_get_debug_info": "_rref_context_get_debug_info",
 }
 
 _installed = False
-
-
-def rref_context_debug_info() -> dict[str, str]:
-    """rrefrt's RRef-context counters in the shape of torch's ``_rref_context_get_debug_info``."""
-    import rrefrt
-
-    info: dict[str, Any] = dict(rrefrt.get_debug_info())
-    out = {k: str(v) for k, v in info.items() if isinstance(v, (int, float, str))}
-    for key in ("num_owner_rrefs", "num_forks", "num_pending_users", "num_pending_futures"):
-        out.setdefault(key, "0")
-    return out
 
 
 def install() -> None:
@@ -101,7 +86,6 @@ def install() -> None:
 
     for torch_name, ours in PUBLIC_NAMES.items():
         setattr(trpc, torch_name, getattr(rrefrt, ours))
-    trpc._rref_context_get_debug_info = rref_context_debug_info  # type: ignore[attr-defined]
 
     import torch.distributed.autograd as tdist_autograd
     import torch.distributed.optim as toptim
