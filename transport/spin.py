@@ -86,8 +86,9 @@ class LoopSpin:
         self.gap, self.last = now - self.last, now
 
     def before_sleep(self, poll_once: Callable[[], Any], timeout: float, stats: Any, name: str) -> Any:
-        """Before a sleep of ``timeout`` seconds: spin when due (and not paused) for up to
-        ``min(seconds, timeout)``. None: no spin; else what ``poll_once`` last returned
+        """Before a sleep of ``timeout`` seconds: spin when due (and not paused), never longer
+        than ``timeout`` (the class docstring says for how long). None: no spin; else what
+        ``poll_once`` last returned
         (falsy: a miss, which took some of the sleep's time). Counted in ``stats`` as
         ``<name>s``, ``<name>_hits`` and ``<name>_pauses``."""
         s = self.seconds

@@ -23,7 +23,7 @@ def _dev_shm() -> set[str]:
 def _receive(seg: shm.Segment, sizes: list[int]) -> tuple:
     """What a receiver does: map the segment, take its frames (they alias it)."""
     mapping = shm.map_segment(seg.fd)
-    return mapping, shm.frames_of(mapping, sizes)
+    return mapping, shm.frames_of(mapping, sizes, seg.lease)
 
 
 def test_pool_lends_reclaims_marked_segments_and_caps_idle_bytes() -> None:
@@ -57,6 +57,7 @@ def test_a_late_mark_of_an_older_lease_returns_nothing() -> None:
     pool = shm.SegmentPool("t")
     try:
         a = pool.acquire(100, peer=1)
+        stale_lease = a.lease
         mapping, frames = _receive(a, [100])
         assert pool.peer_gone(1) == [] and a.lent_to is None  # its connection closed: back in the pool
         b = pool.acquire(100, peer=2)
@@ -64,7 +65,11 @@ def test_a_late_mark_of_an_older_lease_returns_nothing() -> None:
         del frames  # the first receiver lets go of its frames only now
         gc.collect()
         assert not b.released() and pool.lent() == 1, "the mark names the old lease, not the current one"
-        assert pool.sweep() == [] and b.lent_to == 2
+        # a message of the old lease that it decodes only now (it sat unread in its socket)
+        with pytest.raises(ValueError, match="lease"):
+            shm.frames_of(mapping, [100], stale_lease)
+        gc.collect()
+        assert not b.released() and pool.sweep() == [] and b.lent_to == 2, "and leaves no mark"
         shm.unmap(mapping)
     finally:
         pool.close()
@@ -89,10 +94,10 @@ def test_received_frames_alias_the_segment_and_mark_it_when_dropped() -> None:
         gc.collect()
         assert seg.released()
         seg = pool.acquire(shm.layout(sizes)[1], peer=1)
-        out = shm.frames_of(mapping, sizes, copy_out=True)
+        out = shm.frames_of(mapping, sizes, seg.lease, copy_out=True)
         assert seg.released() and isinstance(out[1], bytes) and out[1][:3] == b"xyz"
         with pytest.raises(ValueError, match="in a segment of"):
-            shm.frames_of(mapping, [len(mapping)])
+            shm.frames_of(mapping, [len(mapping)], seg.lease)
         shm.unmap(mapping)
     finally:
         pool.close()

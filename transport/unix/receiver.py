@@ -46,7 +46,8 @@ per channel:
    answers late (a long call) or shares this core (it cannot answer while we spin) costs
    at most 4 spins per 68 waits. The spin stretches to ``STRETCH`` (1.5) x the channel's
    last wait for an answer where that was at most ``STRETCH_MAX`` (500 us; both in
-   ``rrefrt_transport.spin``): a 1 MB round trip's answer comes some 300 us after the
+   ``rrefrt_transport.spin``; whatever ``spin`` is as long as it is not 0; never past the
+   wait's own bound): a 1 MB round trip's answer comes some 300 us after the
    request, past the 200 us bound, and each wait missed it and slept. It yields the core
    between polls: a worker that shares this core may be the one that must run before the
    answer can come (3 workers on 2 cores, user->user forks).
@@ -91,7 +92,8 @@ polls; docs/performance.md, "Known limits"). Every request to an idle loop paid 
    caught, costs at most 4 spins per 68 waits.
 4. Where the last gap between two messages that count was longer than (1) reaches but at
    most ``STRETCH_MAX`` (500 us), the loop spins until ``STRETCH`` (1.5) x that gap after
-   the last one, when the next is due (a 1 MB ping-pong: a request every 350-550 us). It
+   the last one, when the next is due (a 1 MB ping-pong: a request every 350-550 us),
+   whatever ``rx_spin`` is as long as it is not 0 (0 turns both off). It
    pays together with a caller's stretched spin (NOTE [Own reads] (7), measured there):
    each side then catches the other's message without a wake-up. Messages further apart
    than 500 us never make a loop spin, so a worker called seldom sleeps as before.
@@ -337,9 +339,9 @@ class Receiver:
                 self.on_loop(lambda: self._host.close_connection(ch, why, True))
                 return None
             try:
-                mapped = iter(shm.frames_of(mapping, m.shm_sizes, self._shm_copy_out))
-            except ValueError as e:
-                why = f"it sent frames that do not fit shared-memory segment {m.seg_id} ({e})"
+                mapped = iter(shm.frames_of(mapping, m.shm_sizes, m.lease, self._shm_copy_out))
+            except ValueError as e:  # (or a message its sender gave up on: the segment is lent since)
+                why = f"it sent frames that shared-memory segment {m.seg_id} does not hold ({e})"
                 self.on_loop(lambda: self._host.close_connection(ch, why, True))
                 return None
             frames = [f if f is not None else next(mapped) for f in frames]
@@ -393,9 +395,10 @@ class Receiver:
         while not done() and ch.state is UP and not host.closing:
             left = end - _now()
             if left <= 0:
+                ch.last_wait = _now() - start  # (7): no answer within the bound: no stretch next time
                 return False
             if spin:  # (7): one spin per wait, before its first sleep
-                caught = spin_poll(ch, lambda: poll.poll(0), spin, self._stats, "own_read_spin")
+                caught = spin_poll(ch, lambda: poll.poll(0), min(spin, left), self._stats, "own_read_spin")
                 spin = 0.0
                 if not caught:
                     continue

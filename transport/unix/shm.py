@@ -30,14 +30,19 @@ NOTE [Segments]:
    (``TRAILER``) of two 64-bit words: the lease, which the sender writes when it lends the
    segment (a number that grows with every lease), and the release, where the receiver
    writes the lease it read with the frames once their last view is gone. The sender
-   reclaims a lent segment whose release equals its lease: when no idle segment fits a
-   send (``acquire``), on every heartbeat (``sweep``, which also closes what exceeds the
-   idle cap) and when counting (``lent``). So a release costs the receiver one store - no
+   reclaims a lent segment whose release equals its lease when no idle segment fits a
+   send (``acquire``) and on every heartbeat (``sweep``, which also closes what exceeds
+   the idle cap); ``lent`` does not count marked ones. So a release costs the receiver one store - no
    message, no wake-up of either side's loop - where a 1 MB round trip used to carry two
    SHM_RELEASE messages, each waking a sleeping loop, and the caller could not read its
    own answer because the callee's release followed it (NOTE [Own reads] in
-   ``receiver``). The lease number keeps a late release from an older lease (a peer whose
-   connection closed while it still held frames) from returning a segment lent since.
+   ``receiver``). The lease travels in the message too, and the receiver refuses a
+   message whose lease is not the segment's (its sender took the segment back when it
+   closed the connection or fenced the peer, and may have lent it since) and marks with
+   the message's lease: so a late mark from an older lease (a peer that still held frames
+   when its connection closed, or a stopped peer that was fenced and resumed) never returns
+   a segment lent since. The frames such a peer still holds may see the next lease's bytes:
+   its connection is over, and what it computes from them reaches no one over it.
    Order: the receiver stores its release after its last read of the frames, the sender
    reads the release before it writes the segment again (x86's order for these; between
    processes on one host).
@@ -264,19 +269,24 @@ def map_segment(fd: int) -> mmap.mmap:
     return mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def frames_of(mapping: mmap.mmap, sizes: Sequence[int], copy_out: bool = False) -> list[memoryview | bytes]:
-    """Frames of ``sizes`` laid out by ``layout`` in a mapped segment.
+def frames_of(
+    mapping: mmap.mmap, sizes: Sequence[int], lease: int, copy_out: bool = False
+) -> list[memoryview | bytes]:
+    """Frames of ``sizes`` laid out by ``layout`` in a mapped segment, lent under ``lease``
+    (the message says which).
 
     The frames alias the mapping through one small per-message exporter (a ctypes array
     over the used bytes); the segment is marked released (NOTE [Segments] (5)) - on
     whichever thread drops the last view - once neither the frames nor anything built on
     them (a memoryview, a numpy array, a tensor) is referenced any more. With ``copy_out``
     the frames are copied out and the segment marked before returning. Raises ValueError
-    for frames that do not fit the segment (a peer that broke the protocol)."""
+    for frames that do not fit the segment (a peer that broke the protocol) and for a
+    lease that is not the segment's now (its sender took it back: the message is stale)."""
     offsets, used = layout(sizes)
     if used > len(mapping) - TRAILER:
         raise ValueError(f"frames of {used} bytes in a segment of {len(mapping) - TRAILER}")
-    lease = lease_of(mapping)
+    if lease_of(mapping) != lease:
+        raise ValueError(f"lease {lease} of the message is not the segment's now ({lease_of(mapping)})")
     if copy_out:
         try:
             return [mapping[o : o + n] for o, n in zip(offsets, sizes)]

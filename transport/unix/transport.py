@@ -719,7 +719,7 @@ class UnixTransport:
         attach = ch.id not in seg.known_by
         seg.known_by.add(ch.id)
         self._stats["shm_frames_sent"] += len(big)
-        bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags))
+        bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags, seg.lease))
         if not ch.write(bufs, (seg.fd,) if attach else (), deadline):
             self._pool.peer_gone(ch.id)
             return False

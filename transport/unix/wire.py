@@ -25,7 +25,7 @@ A message on the stream (little endian)::
 
     u32 header_len | u16 n_frames | u8 flags | u8 pad
     n_frames x u64  frame length; bit 63 set = the frame is in shared memory
-    if flags & SHM:  u32 segment id | u8 fd attached | 3 pad
+    if flags & SHM:  u32 segment id | u8 fd attached | 3 pad | u64 lease
     header (header_len bytes: wire.encode_header's msgpack array)
     the inline frames, in order
 
@@ -74,7 +74,7 @@ PROOF_LEN = 32
 ADMIT = b"OK!!"
 
 _PREFIX = struct.Struct("<IHBx")
-_SHMDESC = struct.Struct("<IB3x")
+_SHMDESC = struct.Struct("<IB3xQ")
 _LEN = struct.Struct("<Q")
 _PREFIX_1 = struct.Struct("<IHBxQ")  #: the prefix and table of a message with one frame
 #: a frame of at most this many bytes is copied into the message's first buffer by encode
@@ -118,10 +118,10 @@ def welcome(my_id: int, my_inc: int, my_limit: int, nonce_s: bytes, mac_a: bytes
 
 # ------------------------------------------------------------------ framing
 def encode(
-    kind: int, msg_id: int, meta: Any, frames: Sequence[Any], shm: tuple[int, bool, Sequence[bool]] | None = None
+    kind: int, msg_id: int, meta: Any, frames: Sequence[Any], shm: tuple[int, bool, Sequence[bool], int] | None = None
 ) -> list[Any]:
     """The buffers of one message: [prefix+table+header, *inline frames]. ``frames`` are
-    byte views; with ``shm`` = (segment id, fd attached, in-segment flag per frame) the
+    byte views; with ``shm`` = (segment id, fd attached, in-segment flag per frame, lease) the
     flagged frames are not sent (the caller copied them into the segment) but keep their
     place in the table, so the receiver rebuilds the frames in their original order."""
     header = wire.encode_header(kind, msg_id, meta)
@@ -145,7 +145,7 @@ def encode(
     table = b"".join(_LEN.pack(len(f) | SHM_BIT if s else len(f)) for f, s in zip(frames, flags))
     parts = [_PREFIX.pack(len(header), len(frames), FLAG_SHM if shm else 0), table]
     if shm is not None:
-        parts.append(_SHMDESC.pack(shm[0], 1 if shm[1] else 0))
+        parts.append(_SHMDESC.pack(shm[0], 1 if shm[1] else 0, shm[3]))
     parts.append(header)
     return [b"".join(parts), *(f for f, s in zip(frames, flags) if not s and len(f))]
 
@@ -159,6 +159,7 @@ class Incoming:
     shm_sizes: Sequence[int] = ()  #: sizes of those, in order
     seg_id: int = 0
     fd_attached: bool = False
+    lease: int = 0  #: of the segment, for this message (NOTE [Segments] (5) in shm.py)
 
 
 _ALIGN = 64  #: NOTE [Large bodies]: where the largest frame of a large body starts
@@ -291,14 +292,14 @@ class Reader:
         lens = [x[0] for x in _LEN.iter_unpack(self.buf[s + _PREFIX.size : s + _PREFIX.size + 8 * nfr])]
         inline = [n if not n & SHM_BIT else -1 for n in lens]
         shm_sizes = [n & ~SHM_BIT for n in lens if n & SHM_BIT]
-        seg_id, fd_att = 0, False
+        seg_id, fd_att, lease = 0, False, 0
         if flags & FLAG_SHM:
-            seg_id, att = _SHMDESC.unpack_from(self.buf, s + table - _SHMDESC.size)
+            seg_id, att, lease = _SHMDESC.unpack_from(self.buf, s + table - _SHMDESC.size)
             fd_att = bool(att)
         body = hlen + sum(n for n in inline if n > 0)
         if body > self.max_body:
             raise ProtocolError("message larger than the size limit")
-        meta = (hlen, inline, shm_sizes, seg_id, fd_att)
+        meta = (hlen, inline, shm_sizes, seg_id, fd_att, lease)
         if avail - table >= body:
             b0 = s + table
             self.start = b0 + body
@@ -358,7 +359,7 @@ class Reader:
 
     @staticmethod
     def _cut(raw: Any, meta: tuple) -> Incoming:
-        hlen, inline, shm_sizes, seg_id, fd_att = meta
+        hlen, inline, shm_sizes, seg_id, fd_att, lease = meta
         mv = memoryview(raw)
         frames, pos = [], hlen
         for n in inline:
@@ -367,4 +368,4 @@ class Reader:
             else:
                 frames.append(mv[pos : pos + n])
                 pos += n
-        return Incoming(bytes(mv[:hlen]), frames, shm_sizes, seg_id, fd_att)
+        return Incoming(bytes(mv[:hlen]), frames, shm_sizes, seg_id, fd_att, lease)
