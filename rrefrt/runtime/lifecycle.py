@@ -33,6 +33,9 @@ AGENT_KEYS = ("messages_sent", "messages_received", "bytes_sent", "bytes_receive
               # NOTE [Tcp stream plane]: tcp stream connections ended by an EOF or a reset
               # without BYE (the peer then goes through zmq, whose liveness judges it)
               "connections_lost",
+              # NOTE [Accept failures] in rrefrt_transport.unix.transport: accepts that failed
+              # with connections waiting (out of file descriptors), each followed by a pause
+              "accept_failures",
               # NOTE [Own reads] in transport/unix/receiver.py: waits that read their own
               # answer, and those that handed a message for the loop on
               "own_reads", "own_reads_handed",

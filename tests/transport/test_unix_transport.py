@@ -669,6 +669,50 @@ def test_a_death_seen_on_an_impostors_connection_is_every_members_verdict() -> N
         ig.close()
 
 
+class _FailingListener:
+    """A listening socket whose accept fails as when the process is out of file descriptors."""
+
+    def __init__(self, real: socket.socket) -> None:
+        self.real = real
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def accept(self) -> Any:
+        raise OSError(24, "Too many open files")
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_an_accept_that_fails_pauses_the_listener_instead_of_spinning_the_loop() -> None:
+    """NOTE [Accept failures] in transport/unix/transport.py: a connection waits while accept
+    fails (EMFILE): the listener stays readable, and the loop used to wake, fail and log on
+    every turn. Now it mutes the listener for ACCEPT_PAUSE and tries again after it (three
+    more tries take three pauses, not microseconds); once accept works again the
+    waiting connection is taken into admission."""
+    from rrefrt_transport.unix import admit
+
+    t = UnixTransport(TransportConfig(1, "w1", 71, kind="unix", connect="lazy"), lambda *a: None, lambda p, c: None)
+    addr = t.listen()
+    t.start()
+    try:
+        real = t._listener
+        t._listener = _FailingListener(real)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(addr.endpoints["unix"])
+        poll_for(lambda: t.stats["accept_failures"] >= 1, 5, "the accept fails")
+        first = time.monotonic()
+        poll_for(lambda: t.stats["accept_failures"] >= 4, 5, "it tries again")
+        took = time.monotonic() - first
+        assert took >= 3 * admit.ACCEPT_PAUSE * 0.9, f"3 more tries in {took:.4f}s: the loop spins on the listener"
+        t._listener = real  # descriptors again: the waiting connection is taken into admission
+        poll_for(lambda: len(t._acceptor.conns) == 1, 5, "the waiting connection is accepted")
+        client.close()
+    finally:
+        t.close()
+
+
 def test_a_message_under_a_lease_its_segment_no_longer_has_closes_the_connection() -> None:
     """NOTE [Segments] (5) in shm.py: a message names the lease its segment was lent under. A
     receiver that finds the segment under another (its sender took the segment back when it

@@ -28,6 +28,9 @@ ADMIT_TIMEOUT = 10.0  #: an accepted connection that has not passed by then is c
 #: connections waiting for admission at most; more are refused at once (the tcp stream
 #: port is reachable from the network: idle strangers must not use up the fd limit)
 MAX_ADMITTING = 256
+#: NOTE [Accept failures] in ``transport``: seconds the listener is not watched after an
+#: accept failed with connections still waiting
+ACCEPT_PAUSE = 0.1
 #: a peer whose connection failed the challenge fails the join if it is still missing this
 #: long after (a stray connection claiming its id cannot abort a join that completes)
 ACCEPT_GRACE = 2.0
@@ -196,19 +199,25 @@ class Acceptor:
     def set_group(self, group: dict[int, PeerSpec]) -> None:
         self.group = group
 
-    def accept(self, listener: socket.socket) -> list[socket.socket]:
+    def accept(self, listener: socket.socket) -> tuple[list[socket.socket], bool]:
         """Accept waiting connections (on a unix socket: those whose uid is ours); return
-        them (to be watched)."""
+        them (to be watched), and whether an accept failed with connections still waiting
+        (out of file descriptors, say: the listener stays readable, so its caller must stop
+        watching it for a while, NOTE [Accept failures] in ``transport``)."""
         out = []
         unix = self.plane == "same-host"
         while True:
             try:
                 s, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
-                return out
+                return out, False
             except OSError as e:
-                log.warning("accept failed on a %s socket: %s", self.plane, e)
-                return out
+                self.stats["accept_failures"] += 1
+                n = self.stats["accept_failures"]
+                if n & (n - 1) == 0:  # 1, 2, 4, ...: a lasting shortage does not flood the log
+                    log.warning("worker id %d could not accept a connection on its %s socket: %s (%d failures "
+                                "so far; it tries again in %.1f s)", self.my_id, self.plane, e, n, ACCEPT_PAUSE)
+                return out, True
             if len(self.conns) >= MAX_ADMITTING:
                 self._refuse(s, f"{MAX_ADMITTING} connections wait for admission already")
                 continue

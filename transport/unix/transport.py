@@ -136,7 +136,7 @@ from rrefrt_transport.errors import (
 from rrefrt_transport.liveness import LivenessTable
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
-from rrefrt_transport.unix.admit import ACCEPT_GRACE, Acceptor, Unreachable, connect_and_admit, host_key, stream_endpoint
+from rrefrt_transport.unix.admit import ACCEPT_GRACE, ACCEPT_PAUSE, Acceptor, Unreachable, connect_and_admit, host_key, stream_endpoint
 from rrefrt_transport.unix.channel import DEAD, JOINING, QUEUE_BYTES, UP, Channel
 from rrefrt_transport.unix.poller import READ, Bell
 from rrefrt_transport.unix.receiver import LISTEN, OWN_READ_SPIN, Receiver
@@ -407,9 +407,23 @@ class UnixTransport:
             self._admission(*acc.advance(c))
 
     def on_listener(self) -> None:
+        """ReceiverHost: the listening socket is readable.
+
+        NOTE [Accept failures]: an accept that fails while connections wait (EMFILE: this
+        process is out of file descriptors) leaves the listener readable, and the poller is
+        level-triggered: the loop would wake, fail and log on every turn, a core spent for
+        nothing while no timer or message waits less. So the listener is muted for
+        ``ACCEPT_PAUSE`` (0.1 s) and tried again after it; the failures are counted
+        (``accept_failures``) and logged at the 1st, 2nd, 4th, ... A connecting peer waits
+        meanwhile (its connect is bounded by its own deadline)."""
         assert self._acceptor is not None and self._listener is not None
-        for s in self._acceptor.accept(self._listener):
+        socks, failed = self._acceptor.accept(self._listener)
+        for s in socks:
             self._rx.poller.register(s.fileno(), READ, ("adm", s))
+        if failed:
+            fd, poller = self._listener.fileno(), self._rx.poller
+            poller.mute(fd)
+            self._timers.push(time.monotonic() + ACCEPT_PAUSE, lambda: poller.unmute(fd))
 
     def on_admission(self, fd: int) -> None:
         assert self._acceptor is not None
