@@ -25,7 +25,7 @@ RX_SPIN = 150e-6
 #: NOTE [Receiver spin] (4), NOTE [Own reads] (7): where the last gap between messages (a
 #: loop) or the last wait for an answer (a caller) was at most ``STRETCH_MAX``, a spin
 #: stretches to ``STRETCH`` x it (the next one is due about as long after)
-STRETCH_MAX = 500e-6
+STRETCH_MAX = 1000e-6
 STRETCH = 1.5
 #: this many spins in a row that end without a message ...
 SPIN_MISSES = 4

@@ -45,7 +45,7 @@ per channel:
    there for ``SPIN_PAUSE`` waits (both in ``rrefrt_transport.spin``), so a peer that
    answers late (a long call) or shares this core (it cannot answer while we spin) costs
    at most 4 spins per 68 waits. The spin stretches to ``STRETCH`` (1.5) x the channel's
-   last wait for an answer where that was at most ``STRETCH_MAX`` (500 us; both in
+   last wait for an answer where that was at most ``STRETCH_MAX`` (1 ms; both in
    ``rrefrt_transport.spin``; whatever ``spin`` is as long as it is not 0; never past the
    wait's own bound): a 1 MB round trip's answer comes some 300 us after the
    request, past the 200 us bound, and each wait missed it and slept. It yields the core
@@ -57,7 +57,15 @@ per channel:
    spin] (4); without it 0.88x: both ends wake for each message otherwise); forks 1.11x
    the rate for 0.89x the CPU per fork; 8 workers on 2 cores 1.10x the calls per second;
    rpc_sync, rpc_async, 4 KB, remote() + to_here() and 16-64 MB unchanged (0.98-1.02x).
-   The stretch without the yield cost forks 0.82x the rate.
+   The stretch without the yield cost forks 0.82x the rate. ``STRETCH_MAX`` is 1 ms, not
+   the 500 us first tried: without the spins a 1 MB round trip takes 550-600 us, so one
+   slow moment of the machine (or a machine slower than this one) took the last wait
+   past 500 us and left the stretch off for good, every round trip then as slow as
+   without it; with 1 ms it comes back at the next wait (A/B on the loaded machine, 3
+   rounds: 1 MB 0.64x the time for 1.07x the CPU per call against 500 us; forks, 8
+   workers on 2 cores, rpc_async, remote() + to_here(), 16-64 MB and a join of 128
+   workers unchanged within the noise). A call that takes 0.5-1 ms is spun for, at the
+   cost of the caller's core for its duration (yielded to whatever else wants it).
    Measured with 2 workers pinned one per core on the loaded 2-core machine (paired A/B,
    4 rounds, load average about 2): rpc_sync no-op p50 140 -> 99 us, remote() +
    to_here() 191 -> 160 us, 4 KB round trip 282 -> 238 us, for 0-18% more CPU per call
@@ -91,12 +99,12 @@ polls; docs/performance.md, "Known limits"). Every request to an idle loop paid 
    a caller's spin, (7) above): a caller that stops, or calls just too seldom to be
    caught, costs at most 4 spins per 68 waits.
 4. Where the last gap between two messages that count was longer than (1) reaches but at
-   most ``STRETCH_MAX`` (500 us), the loop spins until ``STRETCH`` (1.5) x that gap after
-   the last one, when the next is due (a 1 MB ping-pong: a request every 350-550 us),
+   most ``STRETCH_MAX`` (1 ms), the loop spins until ``STRETCH`` (1.5) x that gap after
+   the last one, when the next is due (a 1 MB ping-pong: a request every 350-600 us),
    whatever ``rx_spin`` is as long as it is not 0 (0 turns both off). It
    pays together with a caller's stretched spin (NOTE [Own reads] (7), measured there):
    each side then catches the other's message without a wake-up. Messages further apart
-   than 500 us never make a loop spin, so a worker called seldom sleeps as before.
+   than 1 ms never make a loop spin, so a worker called seldom sleeps as before.
    Measured with 2 workers pinned one per core (bench/bench_rpc.py, A/B against a 50 us
    spin that caught bursts only, 3 rounds): rpc_sync no-op p50 0.61x, p99 0.59x, for 0.81x
    the CPU per call (both sides: the caller's sendmsg no longer wakes a sleeper and its own
