@@ -152,7 +152,7 @@ class Channel:
         #: waits skip the spin now (the read token's holder alone updates them)
         self.spin_misses = 0
         self.spin_skip = 0
-        #: NOTE [Own reads] (7): how long the last own read that got its answer waited for it
+        #: NOTE [Own reads] (7): how long the last own read waited (for its answer, or its bound)
         self.last_wait = 1.0
 
     def claim_read(self, if_busy: Callable[[], None] | None = None) -> bool:

@@ -67,6 +67,8 @@ MIN_SEGMENT = 1 << 20
 #: NOTE [Segments] (5): bytes past a segment's frames: its lease and release words
 TRAILER = 64
 _WORD = struct.Struct("<Q")
+#: where the two words sit, counted back from the end of the segment (both sides map it whole)
+_LEASE_BACK, _RELEASE_BACK = 16, 8
 
 
 def align(n: int) -> int:
@@ -91,17 +93,20 @@ def _size_class(n: int) -> int:
 
 def lease_of(mapping: mmap.mmap) -> int:
     """The lease a sender wrote past the frames of the segment ``mapping`` maps."""
-    end = len(mapping)
-    return _WORD.unpack(mapping[end - 16 : end - 8])[0]
+    return _WORD.unpack_from(mapping, len(mapping) - _LEASE_BACK)[0]
+
+
+def released_lease(mapping: mmap.mmap) -> int:
+    """The lease its receiver last marked released."""
+    return _WORD.unpack_from(mapping, len(mapping) - _RELEASE_BACK)[0]
 
 
 def mark_released(mapping: mmap.mmap, lease: int) -> None:
     """The receiver: every frame of lease ``lease`` of this segment is gone (NOTE [Segments]
     (5)). A mapping already closed (its sender closed the segment) takes no mark."""
-    end = len(mapping)
     try:
-        mapping[end - 8 : end] = _WORD.pack(lease)
-    except ValueError:
+        _WORD.pack_into(mapping, len(mapping) - _RELEASE_BACK, lease)
+    except (ValueError, TypeError):  # (what a closed mmap raises: its length, its buffer)
         pass
 
 
@@ -119,7 +124,7 @@ class Segment:
 
     def released(self) -> bool:
         """Its receiver marked the current lease released."""
-        return _WORD.unpack_from(self.map, self.size + TRAILER - 8)[0] == self.lease
+        return released_lease(self.map) == self.lease
 
 
 class SegmentPool:
@@ -175,7 +180,7 @@ class SegmentPool:
     def _lend(self, seg: Segment, peer: int) -> None:
         self._leases += 1
         seg.lease = self._leases
-        _WORD.pack_into(seg.map, seg.size + TRAILER - 16, seg.lease)
+        _WORD.pack_into(seg.map, len(seg.map) - _LEASE_BACK, seg.lease)
         seg.lent_to = peer
         self._lent[seg.id] = seg
 
