@@ -5,6 +5,7 @@ This process is worker 0; tests/transport_helpers/unix_peer.py children are the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.support import ROOT, env_for, poll_for
-from tests.transport_helpers.unix_peer import BIG, ECHO, IGNORE, pattern
+from tests.transport_helpers.unix_peer import BIG, ECHO, HOLD, IGNORE, pattern
 from tests.support.unix_support import Child, Group, group, join_quietly, strangers_are_cut_off
 from rrefrt_transport.base import PeerAddress, PeerSpec, TransportConfig, create
 from rrefrt_transport.errors import AgentClosed, AuthenticationFailed, Fenced, MessageTooLarge, PeerUnavailable, RequestTimeout
@@ -743,6 +744,34 @@ def test_a_message_under_a_lease_its_segment_no_longer_has_closes_the_connection
         assert err is None and meta == ["after"]
         assert g.dead.empty() and g.t.is_alive(1)
         stop.set()
+
+
+def test_a_peer_whose_connection_closed_keeps_its_frames_and_writes_into_no_other_message() -> None:
+    """NOTE [Segments] (3) in shm.py: w1 holds the frame of a message from us (a view of our
+    segment) when its connection to us closes while both go on (a protocol error; the
+    plane could also have been abandoned, or w1 fenced and resumed). The segment is not
+    lent again: the next large message, to w2, goes in another one; w1's frame keeps its
+    bytes, and what w1 writes into it lands in none of w2's."""
+    with group(2, kind="auto", auto_inner="zmq", shm_threshold=256 << 10) as g:
+        w1, w2 = g.children
+        first = pattern(1 << 20)
+        second = first.translate(bytes(range(255, -1, -1)))
+        assert g.call(1, HOLD, None, [first])[2] is None  # w1 keeps a view of our segment
+        local = g.t.local
+        peer = local._peers[1]
+        with peer.send_lock:  # a prefix out of bounds: w1 closes the connection, both go on
+            peer.sock.sendall(struct.pack("<IHBx", (1 << 20) + 1, 0, 0))
+        poll_for(lambda: g.t.stats["connections_closed_by_peer"] or not g.dead.empty(), 10, "w0 hears of it")
+        assert g.dead.empty()
+        assert g.call(2, HOLD, None, [second])[2] is None  # w2 keeps a view of the segment it came in
+        w1.tell({"cmd": "held"})
+        assert w1.expect("held", 10)["digests"] == [hashlib.sha256(first).hexdigest()], "w1's frame kept its bytes"
+        w1.tell({"cmd": "scribble"})
+        w1.expect("scribbled", 10)
+        w2.tell({"cmd": "held"})
+        assert w2.expect("held", 10)["digests"] == [hashlib.sha256(second).hexdigest()], "w1 wrote into w2's message"
+        assert g.t.is_alive(1) and g.call(1, ECHO, ["after"], [])[0] == ["after"]  # over the inner transport
+        assert local._pool.dropped() == 1 and local.shm_segments() == (1, 1), "w2's; w1's was closed"
 
 
 def test_a_protocol_error_on_a_peers_connection_closes_it_on_both_sides_without_a_death() -> None:

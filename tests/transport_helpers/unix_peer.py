@@ -5,7 +5,10 @@
 stdout, one JSON object per line: {"event": "hello", "address", "incarnation", "pid"} once
 listening; {"event": "ready"} or {"event": "error", "error", "type"} after joining;
 {"event": "peer_dead", "peer", "cause"}; {"event": "stats", ...} in answer to {"cmd": "stats"};
-{"event": "called", "meta", "error"} in answer to {"cmd": "call", "dest": id} (an ECHO request).
+{"event": "called", "meta", "error"} in answer to {"cmd": "call", "dest": id} (an ECHO request);
+{"event": "held", "digests"} (sha256 of each held frame) to {"cmd": "held"}; {"event":
+"scribbled"} to {"cmd": "scribble"}, which writes 0xEE over the first 4 KB of every held
+frame (as a tensor updated in place would).
 stdin: first line the peer table (list of {"id", "name", "incarnation", "address"}), then
 commands. End of stdin closes the transport and exits.
 
@@ -19,6 +22,7 @@ link, for the long-transfer liveness test).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sys
@@ -115,6 +119,14 @@ def main() -> None:
         elif cmd.get("cmd") == "call":
             t.request(cmd["dest"], ECHO, ["echo"], [], 5.0,
                       lambda m, f, e: emit({"event": "called", "meta": m, "error": None if e is None else str(e)}))
+        elif cmd.get("cmd") == "held":
+            emit({"event": "held", "digests": [hashlib.sha256(f).hexdigest() for fs in held for f in fs]})
+        elif cmd.get("cmd") == "scribble":
+            for fs in held:
+                for f in fs:
+                    view = memoryview(f).cast("B")
+                    view[:4096] = b"\xee" * min(4096, len(view))
+            emit({"event": "scribbled"})
         elif cmd.get("cmd") == "drop_held":
             held.clear()
             emit({"event": "dropped"})

@@ -348,7 +348,7 @@ class Receiver:
                 return None
             try:
                 mapped = iter(shm.frames_of(mapping, m.shm_sizes, m.lease, self._shm_copy_out))
-            except ValueError as e:  # (or a message its sender gave up on: the segment is lent since)
+            except ValueError as e:  # (a frame past the segment, or a lease it no longer has)
                 why = f"it sent frames that shared-memory segment {m.seg_id} does not hold ({e})"
                 self.on_loop(lambda: self._host.close_connection(ch, why, True))
                 return None

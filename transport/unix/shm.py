@@ -20,10 +20,16 @@ NOTE [Segments]:
    fires and the receiver marks the segment released in the segment itself (5); the
    sender takes it back into its pool when it next needs one. A receiver that is told to
    copy out (``copy_out``) copies the frames and marks the segment at once.
-3. A segment lent to a peer comes back when its mark says so or when that peer dies or its
-   connection closes (its mappings died with it, or no message of it will be read). The
-   pool keeps at most ``max_idle_bytes`` of idle segments; a segment returned beyond that
-   is closed, and peers that hold its fd are told to forget it (``SHM_FORGET``).
+3. A segment lent to a peer comes back when its mark says so. When that peer dies or its
+   connection closes first, the segment is closed on our side instead and never lent
+   again (``peer_gone``): a peer whose connection closed may go on running (its plane was
+   abandoned, or it was fenced while stopped and resumed) with views of the segment in
+   tensors it holds; lent to anyone else, the segment would show that peer another
+   message's bytes, and what it writes into its tensors would land in that message. Its
+   pages live on in the peer's mappings until they go (or the peer exits). The pool keeps
+   at most ``max_idle_bytes`` of idle segments; a segment returned beyond that is closed,
+   and peers that hold its fd are told to forget it (``SHM_FORGET``), as are the other
+   holders of a segment closed for a gone peer.
 4. Segments are pre-faulted when created (``posix_fallocate`` allocates the shmem pages),
    and sized in powers of two from ``MIN_SEGMENT`` so that a pool serves varying sizes.
 5. Release marks, not messages. Past a segment's frames (its ``size``) lies one cache line
@@ -37,12 +43,9 @@ NOTE [Segments]:
    1 MB round trip used to carry two SHM_RELEASE messages, each waking a sleeping loop,
    and the caller could not read its own answer because the callee's release followed it
    (NOTE [Own reads] in ``receiver``; A/B: 0.95x the time for 0.89x the CPU per call). A
-   receiver refuses a message whose lease is not the segment's now (its sender took the
-   segment back when it closed the connection or fenced the peer, and may have lent it
-   since): so a late mark from an older lease (a peer that still held frames when its
-   connection closed, or a stopped peer that was fenced and resumed) never returns a
-   segment lent since. The frames such a peer still holds may see the next lease's bytes:
-   its connection is over, and what it computes from them reaches no one over it.
+   receiver refuses a message whose lease is not the segment's now, and marks with the
+   message's lease: so a message or a mark that outlived its lease (a bug, a crafted
+   message) never reads another message's bytes nor returns a segment lent since.
    Order: the receiver stores its release after its last read of the frames, the sender
    reads the release before it writes the segment again (x86's order for these; between
    processes on one host).
@@ -142,6 +145,7 @@ class SegmentPool:
         self._lent: dict[int, Segment] = {}  #: id -> segments lent now
         #: (peer, segment id) of segments closed by ``acquire``: ``sweep`` hands them on
         self._forget: list[tuple[int, int]] = []
+        self._dropped = 0
         self._closed = False
 
     def acquire(self, nbytes: int, peer: int) -> Segment:
@@ -228,15 +232,29 @@ class SegmentPool:
         return []
 
     def peer_gone(self, peer: int) -> list[tuple[int, int]]:
-        """``peer`` died or its connection closed: every segment lent to it comes back, none
-        is known by it."""
+        """``peer`` died or its connection closed: no segment is known by it any more; one
+        lent to it comes back if it marked it released, and is closed otherwise (NOTE
+        [Segments] (3): it may still hold views of it)."""
         forget: list[tuple[int, int]] = []
         with self._lock:
             for seg in list(self._all.values()):
                 seg.known_by.discard(peer)
                 if seg.lent_to == peer:
-                    forget += self._unlend(seg)
+                    forget += self._unlend(seg) if seg.released() else self._drop(seg)
         return [f for f in forget if f[0] != peer]
+
+    def _drop(self, seg: Segment) -> list[tuple[int, int]]:
+        """Under the lock: close lent ``seg`` for good; its other holders are to forget it."""
+        del self._lent[seg.id]
+        del self._all[seg.id]
+        seg.lent_to = None
+        self._dropped += 1
+        self._destroy(seg)
+        return [(p, seg.id) for p in seg.known_by]
+
+    def dropped(self) -> int:
+        """Segments closed because the peer they were lent to went before marking them."""
+        return self._dropped
 
     def lent(self) -> int:
         """Segments lent now and not yet marked released."""

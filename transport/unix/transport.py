@@ -734,8 +734,8 @@ class UnixTransport:
         seg.known_by.add(ch.id)
         self._stats["shm_frames_sent"] += len(big)
         bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags, seg.lease))
-        if not ch.write(bufs, (seg.fd,) if attach else (), deadline):
-            self._pool.peer_gone(ch.id)
+        if not ch.write(bufs, (seg.fd,) if attach else (), deadline):  # the peer is gone
+            self._rx.forget(self._pool.peer_gone(ch.id))
             return False
         self._n_sent += 1
         return True
