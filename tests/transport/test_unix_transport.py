@@ -1035,3 +1035,40 @@ def test_the_loops_spin_catches_a_burst_and_pauses_when_idle(spin_us: int) -> No
     finally:
         t0.close(5.0)
         t1.close(5.0)
+
+
+def test_a_ring_while_the_loop_clears_the_bell_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bell (poller.Bell) is drained before its flag drops: a ring that lands while the
+    loop clears it wakes later rings as before (the other order left the flag up and the
+    eventfd empty, and work handed to the loop waited for the next timer, up to a second)."""
+    t = UnixTransport(TransportConfig(0, "w0", 70, kind="unix"), lambda *a: None, lambda p, c: None)
+    try:
+        t.listen()
+        t.start()
+        bell = t._rx.bell
+        real_read = os.eventfd_read
+        armed = threading.Event()
+
+        def ring_first(fd: int) -> int:
+            if armed.is_set() and fd == bell.fd:
+                armed.clear()
+                th = threading.Thread(target=bell.ring)  # another thread rings right now
+                th.start()
+                th.join(5)
+            return real_read(fd)
+
+        monkeypatch.setattr(os, "eventfd_read", ring_first)
+        ran = threading.Event()
+        armed.set()
+        t._rx.call_soon(ran.set)  # wakes the loop: its clear() takes the path above
+        assert ran.wait(5)
+        poll_for(lambda: not armed.is_set(), 5, "the loop cleared the bell")
+        monkeypatch.setattr(os, "eventfd_read", real_read)
+        for _ in range(5):  # each hand-off to the loop wakes it at once
+            done = threading.Event()
+            t0 = time.monotonic()
+            t._rx.call_soon(done.set)
+            assert done.wait(5)
+            assert time.monotonic() - t0 < 0.2, f"the loop woke only after {time.monotonic() - t0:.3f}s"
+    finally:
+        t.close()

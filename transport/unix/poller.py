@@ -107,12 +107,15 @@ class Bell:
                 pass  # closed: nobody waits any more
 
     def clear(self) -> None:
-        """The loop woke on the bell: the next ring writes again."""
-        self._rung = False
+        """The loop woke on the bell: the next ring writes again. Drained before the flag
+        drops: a ring between the two finds the flag up and writes nothing, and its work,
+        queued before it rang, is run by the loop right after this; the other order let
+        such a ring's write be drained with the flag left up, and no ring ever wrote again."""
         try:
             os.eventfd_read(self.fd)
         except OSError:
             pass
+        self._rung = False
 
     def close(self) -> None:
         try:
