@@ -101,16 +101,19 @@ class Timers:
             self._ring()
 
     def disarm(self, p: Pending, msg_id: int) -> None:
-        """The request was answered: it leaves its deadline slice (loop thread)."""
-        bucket = self.buckets.get(p.bucket)
-        if bucket is not None:
-            bucket.pop(msg_id, None)
+        """The request was answered: it leaves its deadline slice. Any thread (a caller that
+        reads its own answer dispatches it), so under the lock: a slice is either still in
+        ``buckets`` or taken whole by ``_expire_bucket``, never changed while it runs."""
+        with self._lock:
+            bucket = self.buckets.get(p.bucket)
+            if bucket is not None:
+                bucket.pop(msg_id, None)
 
     def _expire_bucket(self, b: int) -> None:
         with self._lock:
             bucket = self.buckets.pop(b, None)
         if bucket:
-            for msg_id, p in bucket.items():
+            for msg_id, p in list(bucket.items()):
                 guard(lambda p=p, msg_id=msg_id: self._expire(p, msg_id))  # one bad entry must not stop the rest
 
     def next_due(self) -> float:

@@ -747,8 +747,7 @@ class UnixTransport:
     def _expire(self, p: Pending, msg_id: int) -> None:
         """Loop thread: ``p``'s deadline passed unanswered."""
         table = self._self_pending if p.dest == self.id else self._peers[p.dest].pending
-        if table.get(msg_id) is p:
-            del table[msg_id]
+        if table.get(msg_id) is p and table.pop(msg_id, None) is p:  # (a caller's own read may take it meanwhile)
             self._stats["requests_timed_out"] += 1
             p.finish(None, (), RequestTimeout(self.peer_name(p.dest), p.timeout))
 
