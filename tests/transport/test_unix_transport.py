@@ -1072,3 +1072,52 @@ def test_a_ring_while_the_loop_clears_the_bell_is_not_lost(monkeypatch: pytest.M
             assert time.monotonic() - t0 < 0.2, f"the loop woke only after {time.monotonic() - t0:.3f}s"
     finally:
         t.close()
+
+
+def test_a_teardown_while_a_caller_reads_its_own_answer_leaves_the_read_side_to_that_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The read side of a connection (its half-read body, received fds, mapped segments)
+    belongs to the read token's holder. A teardown on the loop while a caller holds the
+    token (here: the caller is mapping the segment of its answer) leaves the read side to
+    that caller, which closes it when it gives the token back: nothing stays mapped, no
+    fd is closed under it (the loop used to unmap and close while the caller mapped: its
+    mapping stayed for the life of the transport, and a fd closed under the caller's
+    iteration could stop the teardown before it failed the pending requests)."""
+    from rrefrt_transport.unix import shm
+    from rrefrt_transport.unix.channel import DEAD
+
+    t0: Any = None
+    t1: Any = None
+
+    def on1(src: int, kind: int, msg_id: int, meta: Any, frames: Any) -> None:
+        def answer() -> None:  # once the caller reads its own answer
+            poll_for(lambda: t0._peers[1].reading, 10, "the caller holds the read token")
+            t1.respond(src, msg_id, "r", [bytes(1 << 20)])
+        threading.Thread(target=answer, daemon=True).start()
+
+    t0, t1 = _pair(on1, shm_threshold=256 << 10)
+    try:
+        ch = t0._peers[1]
+        caller = threading.get_ident()
+        real_map = shm.map_segment
+
+        def map_during_teardown(fd: int) -> Any:
+            if threading.get_ident() == caller:
+                t0.declare_dead(1, "another transport's verdict")  # the loop tears ch down now
+                poll_for(lambda: ch.state is DEAD and not ch.pending, 10, "the teardown ran")
+                assert ch.reading, "the caller still holds the token"
+            return real_map(fd)
+
+        monkeypatch.setattr(shm, "map_segment", map_during_teardown)
+        done = threading.Event()
+        got: dict = {}
+        t0.request(1, 100, "q", [], 10.0, lambda m, f, e: (got.update(e=e), done.set()))
+        t0.read_until(1, done.is_set, 5.0)
+        assert done.wait(10) and isinstance(got["e"], PeerUnavailable), got
+        assert not ch.reading and ch.segs == {} and ch.reader is None and not ch.rx_fds
+        gc_mapped = lambda: [ln for ln in open(f"/proc/{os.getpid()}/maps") if "memfd:rrefrt-w1" in ln]  # noqa: E731
+        poll_for(lambda: not gc_mapped(), 5, lambda: f"w1's segment still mapped: {gc_mapped()}")
+    finally:
+        t0.close()
+        t1.close()

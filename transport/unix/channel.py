@@ -148,6 +148,7 @@ class Channel:
         #: this channel now; taken and given back under ``_read_mu``
         self.reading = False
         self._read_mu = threading.Lock()
+        self.reads_ended = False  #: the connection is over: the read side closes (``end_reads``)
         #: NOTE [Own reads] (7): spins in a row that ended without an answer, and how many
         #: waits skip the spin now (the read token's holder alone updates them)
         self.spin_misses = 0
@@ -168,14 +169,36 @@ class Channel:
             return True
 
     def release_read(self, then: Callable[[], None] | None = None) -> None:
-        """Give the token back; ``then`` (unmute the socket) runs under the token's lock."""
+        """Give the token back; ``then`` (unmute the socket) runs under the token's lock. If
+        the connection ended meanwhile (``end_reads``), its read side is closed now."""
         if then is None:
             self.reading = False  # one store: a claim under the lock sees either value
-            return
-        with self._read_mu:
-            self.reading = False
-            if then is not None:
+        else:
+            with self._read_mu:
+                self.reading = False
                 then()
+        if self.reads_ended:  # read after the store: ``end_reads`` sets it before it claims
+            self._end_reads_if_free()
+
+    def end_reads(self) -> None:
+        """The connection is over: drop a half-read body (NOTE [Large bodies]) and unmap the
+        segments it sent (frames still referenced keep theirs until they go). The read side
+        is the token holder's: done at once if nobody holds the token, else by the holder
+        when it gives the token back (a caller reading its own answer may be decoding a
+        message that attached a segment's fd)."""
+        self.reads_ended = True
+        self._end_reads_if_free()
+
+    def _end_reads_if_free(self) -> None:
+        with self._read_mu:
+            if self.reading:
+                return
+            self.reading = True
+        try:
+            self.reader = None
+            self._release_received()
+        finally:
+            self.reading = False
 
     def __repr__(self) -> str:
         return f"Channel({self.spec.name!r}, {self.state.value})"
@@ -489,9 +512,9 @@ class Channel:
             self.qbytes = 0
             self.room.notify_all()
 
-    def release_received(self) -> None:
+    def _release_received(self) -> None:
         """Unmap the segments it sent (frames still referenced keep theirs until they go),
-        close the fds not yet claimed."""
+        close the fds not yet claimed (read token held)."""
         for mapping in self.segs.values():
             shm.unmap(mapping)
         for fd in self.rx_fds:

@@ -132,7 +132,7 @@ from rrefrt_transport.spin import RX_SPIN, STRETCH, STRETCH_MAX, LoopSpin
 from rrefrt_transport.spin import spin as spin_poll
 from rrefrt_transport.unix import shm
 from rrefrt_transport.unix import wire as unix_wire
-from rrefrt_transport.unix.channel import DEAD, UP, Channel, ChannelLost
+from rrefrt_transport.unix.channel import UP, Channel, ChannelLost
 from rrefrt_transport.unix.poller import READ, WRITE, Bell, Poller
 from rrefrt_transport.unix.timers import Pending, Timers, guard
 
@@ -304,9 +304,7 @@ class Receiver:
         try:
             self._read_held(ch)
         finally:
-            if ch.state is DEAD:  # its teardown ran while we held the token: drop a half-read body
-                ch.reader = None
-            ch.release_read()
+            ch.release_read()  # (its teardown ran meanwhile: the read side closes now)
 
     def _read_held(self, ch: Channel) -> None:
         for _ in range(_READS_PER_WAKE):

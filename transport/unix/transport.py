@@ -838,12 +838,9 @@ class UnixTransport:
         it, fail its requests with ``err``, reclaim its segments."""
         self._rx.unwatch(ch)
         ch.close_socket()
-        if ch.claim_read():  # nobody reads it now: a half-read large body goes (NOTE [Large bodies])
-            ch.reader = None
-            ch.release_read()
         ch.drop_queue()
         self._rx.forget(self._pool.peer_gone(ch.id))
-        ch.release_received()
+        ch.end_reads()  # now, or by a caller reading it when it gives the read token back
         pending, ch.pending = ch.pending, {}
         for p in pending.values():
             guard(lambda p=p: p.finish(None, (), err))
@@ -898,7 +895,7 @@ class UnixTransport:
         for ch in list(self._peers.values()):
             ch.state = DEAD
             ch.close_socket(shutdown_only_if_busy=False)
-            ch.release_received()
+            ch.end_reads()
         if self._acceptor is not None:
             for c in list(self._acceptor.conns.values()):
                 c.sock.close()
