@@ -48,6 +48,17 @@ log = logging.getLogger("rrefrt")
 #: ``logging.getLogger("rrefrt.callee").setLevel(logging.ERROR)`` silences it
 _user_log = logging.getLogger("rrefrt.callee")
 
+#: the longest text of a user function's error that this worker's log shows (its caller gets it whole)
+LOG_TEXT_MAX = 8192
+
+
+def _cut(text: str) -> str:
+    if len(text) <= LOG_TEXT_MAX:
+        return text
+    half = LOG_TEXT_MAX // 2
+    return f"{text[:half]} ... [{len(text) - 2 * half} characters left out] ... {text[-half:]}"
+
+
 #: at most this many PYTHON_CALL ids per peer are remembered to drop duplicates, each for
 #: ``recent.HORIZON_S`` at least or half this many later calls (NOTE [Bounded memory of
 #: finished things] in rrefrt/protocol/recent.py)
@@ -197,8 +208,8 @@ class Callee:
                 # texts only: a log record that held ``e`` would keep its frames, and the RRef
                 # arguments in them, alive for as long as a handler keeps records (NOTE [Error frames])
                 userlog.warn(_user_log, "On worker %r: %s raised %s\n%s", self.core.info.name,
-                             getattr(func, "__qualname__", type(func).__name__), repr(e),
-                             "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip())
+                             getattr(func, "__qualname__", type(func).__name__), _cut(repr(e)),
+                             _cut("".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()))
                 if type(e) is TypeError and _is_torch_operator(func):
                     e = _schema_error(func, e, self.core.info.name)
             done(None, e)

@@ -102,7 +102,9 @@ class Caller:
         except transport.TransportError as e:
             self.control.deletes_delivered(dest, deletes, e)
             self.payloads.abort_forks(forks)
-            self.control.perform(ctx.on_remote_ret(urec.fork_id, translate(e, "remote()")))
+            # no RRef will hold the record: it leaves as a lost creation does (a delete for a
+            # creation that may have reached the owner; its tombstone stops a late one)
+            self.control.perform(ctx.abandon_user(urec.fork_id, translate(e, "remote()")))
             raise translate(e, "remote()") from None
         rref = RRef._from_user(self.host, urec)
         rref._creation = cell  # NOTE [Inline creation values] in rrefrt/runtime/creation.py

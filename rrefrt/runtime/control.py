@@ -76,6 +76,7 @@ from rrefrt.runtime.replies import Replies
 from rrefrt.protocol.drops import DONE, KEPT
 from rrefrt.protocol.messages import (
     DELETES_PER_MESSAGE,
+    ERROR,
     Action,
     ChildAccept,
     ChildAccepts,
@@ -514,8 +515,10 @@ class ControlLoop:
                     a.records.clear()
                 elif isinstance(a, (ForkRequest, UserDelete, UserDeletes)):
                     self.request(a, lambda e, m=a: self._on_acked(Acked(m, e)))
-                elif isinstance(a, (ChildAccept, ChildAccepts, RemoteRet)):
-                    self.request(a, _ignore_ack, a.payload if isinstance(a, RemoteRet) else ())
+                elif type(a) is RemoteRet:
+                    self._remote_ret(a)
+                elif isinstance(a, (ChildAccept, ChildAccepts)):
+                    self.request(a, _ignore_ack)
                 elif isinstance(a, ServeFetch):
                     if current_pool() is not None:  # a pool thread (set_value): user code may run here
                         self._serve_fetch(a)
@@ -534,6 +537,15 @@ class ControlLoop:
             except RuntimeError as e:  # a stopped pool at close
                 log.debug("release of %d value(s) dropped: %s", len(box), e)
             del box
+
+    def _remote_ret(self, ret: RemoteRet) -> None:
+        """Send a creation's result. An error too large to send goes as a SerializationError
+        that says so: its creator waits for the creation to end, and must hear that it did."""
+        try:
+            self.request(ret, _ignore_ack, ret.payload)
+        except transport.MessageTooLarge as e:
+            err = tuple(self.replies.too_large(e, "the error of remote()"))
+            self.request(RemoteRet(ret.dest, ret.rref_id, ERROR, err), _ignore_ack, err)
 
     def request(
         self, msg: Message, on_ack: Callable[[Any], None], frames: Sequence[Any] = (), attempt: int = 1,

@@ -31,6 +31,10 @@ class Replies:
         """Acknowledge a protocol message (an empty OK response)."""
         self.respond(dest, msg_id, Response(OK).meta(), [], about)
 
+    def too_large(self, e: transport.MessageTooLarge, what: str) -> list[Any]:
+        """The error frames that stand in for an answer too large to send."""
+        return ser.dumps_error(SerializationError(f"{what} too large: {e}"), self.core.info.name)
+
     def respond(self, dest: int, msg_id: int, meta: Any, frames: Sequence[Any], about: Any) -> bool:
         """Answer request ``msg_id`` of ``dest``; ``about`` (a message or its class) names it
         for the fault hook as ``RESPONSE:<NAME>``. False: the answer was not sent (too large,
@@ -40,9 +44,11 @@ class Replies:
             core.transport.respond(dest, msg_id, meta, frames, "RESPONSE:" + about.NAME)
             return True
         except transport.MessageTooLarge as e:
-            err = ser.dumps_error(SerializationError(f"result too large: {e}"), core.info.name)
+            # the error answer keeps the answer's shape: a creation's answer says it is done
+            # (its creator waits for a done answer or a REMOTE_RET, and none would follow)
+            done = [1] if type(meta) is list and len(meta) >= 3 else []
             try:
-                core.transport.respond(dest, msg_id, [ERROR, []], err)
+                core.transport.respond(dest, msg_id, [ERROR, [], *done], self.too_large(e, "result"))
             except transport.AgentClosed:
                 log.debug("response to worker %d dropped: transport closed", dest)
         except transport.AgentClosed:

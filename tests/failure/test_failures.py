@@ -671,3 +671,34 @@ def test_the_receivers_max_message_size_holds_on_the_same_host_path(group):
     assert got["error"] == "SerializationError" and "result too large" in got["message"], got
     assert f"limit of worker 'w1' of {limit} bytes" in got["message"] and got["took"] < 5.0, got
     assert rrefrt.rpc_sync("w1", ff.big_result_from, args=("w0", limit - 1024))["size"] == limit - 1024
+
+
+@pytest.mark.timeout(120)
+def test_a_remote_whose_argument_or_error_is_too_large_fails_and_leaves_nothing_behind(group):
+    """Every message to w0 and to w1 is limited to 1 MB. A remote() whose argument is over it
+    raises SerializationError at the call site and keeps no record of the RRef nobody got
+    (the strict leak check at shutdown used to name it). A remote() whose function raises
+    an error too large to send - at once, answered in the creation's answer, or later, in
+    a REMOTE_RET - fails its to_here() with SerializationError and is settled: once its
+    RRef is dropped nothing is left on either side (the creator used to wait for good for
+    a result that never came, its owner kept the value, and shutdown ran to its bound)."""
+    limit = 1 << 20
+    group(2, {"max_message_size": limit, "strict_rref_leaks": True}, {"max_message_size": limit})
+    zero = {"num_owner_rrefs": 0, "num_forks": 0, "num_pending_users": 0, "num_pending_children": 0,
+            "num_confirmed_users": 0}
+    as_ints = lambda c: {k: int(v) for k, v in c.items()}  # noqa: E731
+    with pytest.raises(rrefrt.SerializationError, match="exceeds the limit"):
+        rrefrt.remote("w1", fns.identity, args=(bytes(2 << 20),))
+    assert as_ints(ff.counts()) == zero
+    for delay in (0.0, 0.3):
+        held = [rrefrt.remote("w1", ff.raise_big, args=(delay, 2 << 20))]
+        with pytest.raises(rrefrt.SerializationError, match="too large"):
+            held[0].to_here(timeout=10)
+        poll_for(held[0].confirmed_by_owner, 10, f"delay {delay}: the creation ended")
+        held.clear()
+        gc.collect()
+        poll_for(lambda: as_ints(ff.counts()) == zero and as_ints(rrefrt.rpc_sync("w1", ff.counts)) == zero, 10,
+                 lambda: f"delay {delay}: w0 {ff.counts()}, w1 {rrefrt.rpc_sync('w1', ff.counts)}")
+    t0 = time.monotonic()
+    rrefrt.shutdown(timeout=30)  # graceful, strict: no leak named
+    assert time.monotonic() - t0 < 10

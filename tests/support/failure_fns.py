@@ -103,6 +103,14 @@ def big_result_from(to: str, size: int) -> dict:
         return {"error": type(e).__name__, "message": str(e), "took": time.monotonic() - t0}
 
 
+def raise_big(delay: float, size: int) -> None:
+    """Fail after ``delay`` s with an error whose pickle takes about ``size`` bytes: a
+    remote() of it that fails at once answers its creator in the creation's answer, one
+    that fails later in a REMOTE_RET."""
+    time.sleep(delay)  # (the slow function under test)
+    raise ValueError("x" * size)
+
+
 # ---------------------------------------------------------------------------- stuck handlers
 
 _never_released = threading.Lock()

@@ -48,3 +48,15 @@ def test_a_level_above_warning_silences_it(monkeypatch):
     finally:
         logger.setLevel(logging.NOTSET)
     assert err.getvalue() == ""
+
+
+def test_a_huge_user_error_is_shown_cut_on_the_worker_that_ran_it():
+    """The worker's log shows at most LOG_TEXT_MAX characters of each part of a user
+    function's error (its head and tail); its caller gets the error whole."""
+    from rrefrt.runtime.callee import LOG_TEXT_MAX, _cut
+
+    assert _cut("short") == "short"
+    text = "a" * 1000 + "x" * (2 << 20) + "z" * 1000
+    cut = _cut(text)
+    assert len(cut) < LOG_TEXT_MAX + 100 and cut.startswith("a" * 1000) and cut.endswith("z" * 1000)
+    assert f"[{len(text) - LOG_TEXT_MAX} characters left out]" in cut
