@@ -111,3 +111,28 @@ def test_a_flush_that_finds_the_socket_failed_stops_and_leaves_the_verdict_to_th
     ch.try_flush()
     assert len(host.broke) == 1 and "Broken pipe" in host.broke[0]
     assert len(sock.takes) == 999, "one write, not one per round"
+
+
+class _TruncatedFds:
+    """A read whose file descriptors the kernel dropped (the receiver had none free)."""
+
+    def recvmsg_into(self, bufs: list, ancbufsize: int = 0, flags: int = 0) -> tuple:
+        import socket
+
+        memoryview(bufs[0])[:4] = b"\0\0\0\0"
+        return 4, [], socket.MSG_CTRUNC, None
+
+
+def test_a_read_whose_fds_the_kernel_dropped_names_the_fd_shortage() -> None:
+    """MSG_CTRUNC: the message that attached a segment's fd could not be decoded; the
+    connection closes as on a protocol error (the peer goes through the inner transport),
+    with the real cause, not as a peer naming a segment it never sent."""
+    import pytest
+
+    from rrefrt_transport.unix import wire as unix_wire
+
+    ch = _channel(ScriptedSocket([]), LoopThatWritesAtOnce())
+    ch.sock = _TruncatedFds()  # type: ignore[assignment]
+    ch.reader = unix_wire.Reader(1 << 20)
+    with pytest.raises(unix_wire.ProtocolError, match="no file descriptor free"):
+        ch.read_some([])

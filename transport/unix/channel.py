@@ -427,7 +427,7 @@ class Channel:
             while not msgs:
                 target = reader.target()
                 try:
-                    n, anc, _flags, _ = sock.recvmsg_into([target], _ANC)
+                    n, anc, flags, _ = sock.recvmsg_into([target], _ANC)
                 except (BlockingIOError, InterruptedError):
                     drained = True
                     break
@@ -439,6 +439,11 @@ class Channel:
                             fds = array.array("i")
                             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
                             self.rx_fds.extend(fds)
+                if flags & socket.MSG_CTRUNC:  # the kernel dropped fds it sent: no fd number was free
+                    raise unix_wire.ProtocolError(
+                        "a shared-memory segment's file descriptor it sent could not be received: this "
+                        "process has no file descriptor free (RLIMIT_NOFILE)"
+                    )
                 if n == 0:
                     raise ChannelLost(
                         "it shut down" if self.bye else "its connection closed: its process exited or was killed"

@@ -107,6 +107,8 @@ same-host mesh is joined in ``connect_peers`` and the socket file removed after 
    Both then reach each other over the composite transport's inner one (``on_closed``),
    whose liveness alone judges death; requests pending on the closed connection fail with
    PeerUnavailable naming the cause. EOF without CLOSE still means the process is gone.
+   A segment's fd that this process could not take (no fd number free: the kernel drops
+   it, ``MSG_CTRUNC``) closes the connection the same way, with that cause.
 """
 
 from __future__ import annotations
