@@ -176,11 +176,15 @@ class RRefContext(ContextAudit, ContextDrops):
             self._notify()
             return self._maybe_delete(rec)
 
-    def on_fork_request_ack(self, fork_id: ForkId) -> list[Action]:
+    def on_fork_request_ack(self, fork_id: ForkId, lost: BaseException | None = None) -> list[Action]:
+        """The owner answered the fork request: registered, or ``lost`` (its value is gone:
+        the RRef fails with that error on every use; its delete is a no-op there)."""
         with self._lock:
             rec = self.pending_users.get(fork_id)
             if rec is None:
                 return []
+            if lost is not None and rec.error is None:
+                rec.error = lost
             actions = self._confirm(rec)
             if rec.parent not in self.dead:
                 actions.insert(0, ChildAccept(rec.parent, fork_id))
@@ -424,14 +428,20 @@ class RRefContext(ContextAudit, ContextDrops):
             rec.waiters.append((src, msg_id))
             return None
 
-    def on_fork_request(self, rref_id: RRefId, fork_id: ForkId, requester: int) -> None:
+    def on_fork_request(self, rref_id: RRefId, fork_id: ForkId, requester: int) -> BaseException | None:
+        """Register the fork. Returns the error to answer with when the value is gone (the
+        requester's RRef must fail on every use from now on: once ``released`` forgets the
+        id, a fetch of it would wait for a value that never comes)."""
         with self._lock:
             if fork_id in self.deleted_forks:
-                return  # a duplicate or retry that arrived after the fork was deleted
-            if requester in self.dead or self._lost(rref_id):
-                return  # G3 already ran for it / the value is gone: nothing to keep alive
+                return None  # a duplicate or retry that arrived after the fork was deleted
+            if requester in self.dead:
+                return None  # G3 already ran for it: nothing to keep alive, nobody to tell
+            if self._lost(rref_id):
+                return self._lost_record(rref_id).error  # the value is gone: nothing to keep alive
             self._owner_record(rref_id, register=True)
             self.forks.setdefault(rref_id, {})[fork_id] = requester
+            return None
 
     def on_user_delete(self, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
         with self._lock:

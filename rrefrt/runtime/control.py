@@ -77,6 +77,7 @@ from rrefrt.protocol.drops import DONE, KEPT
 from rrefrt.protocol.messages import (
     DELETES_PER_MESSAGE,
     ERROR,
+    Response,
     Action,
     ChildAccept,
     ChildAccepts,
@@ -133,6 +134,8 @@ class Acked:
 
     msg: Message
     error: BaseException | None
+    #: the answer's meta, where the sender wants it (a fork request: registered or lost)
+    answer: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,7 +463,10 @@ class ControlLoop:
                 self._perform([sf])
             return
         if isinstance(msg, ForkRequest):
-            ctx.on_fork_request(msg.rref_id, msg.fork_id, src)
+            lost = ctx.on_fork_request(msg.rref_id, msg.fork_id, src)
+            if lost is not None:  # the value is gone: the requester's RRef fails from now on
+                self.replies.respond(src, msg_id, Response(ERROR).meta(), [], msg)
+                return
             actions: list[Action] = []
         elif isinstance(msg, ChildAccept):
             actions = ctx.on_child_accept(msg.fork_id)
@@ -479,7 +485,12 @@ class ControlLoop:
         msg, err, ctx = item.msg, item.error, self.core.ctx
         if isinstance(msg, ForkRequest):
             if err is None:
-                self._perform(ctx.on_fork_request_ack(msg.fork_id))
+                lost = None
+                if item.answer and type(item.answer[0]) is list and item.answer[0][:1] == [ERROR]:
+                    lost = RpcError(f"RRef {msg.rref_id} no longer exists on its owner "
+                                    f"{self.core.worker_name(msg.dest)!r}: it was freed before this fork of it "
+                                    "was registered (the holder that passed it on died), or its creation failed")
+                self._perform(ctx.on_fork_request_ack(msg.fork_id, lost))
             elif isinstance(err, transport.RequestTimeout):  # retries exhausted
                 self._perform(ctx.give_up_user(
                     msg.fork_id, RpcError(f"the owner never confirmed fork {msg.fork_id} of this RRef")))
@@ -513,7 +524,11 @@ class ControlLoop:
                 elif type(a) is Releases:
                     box += a.records
                     a.records.clear()
-                elif isinstance(a, (ForkRequest, UserDelete, UserDeletes)):
+                elif type(a) is ForkRequest:
+                    answer: list[Any] = []
+                    self.request(a, lambda e, m=a, ans=answer: self._on_acked(Acked(m, e, ans)),
+                                 on_reply=lambda meta, fr, ans=answer: ans.append(meta))
+                elif isinstance(a, (UserDelete, UserDeletes)):
                     self.request(a, lambda e, m=a: self._on_acked(Acked(m, e)))
                 elif type(a) is RemoteRet:
                     self._remote_ret(a)

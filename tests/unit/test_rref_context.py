@@ -960,6 +960,75 @@ def test_fork_passed_on_by_a_dying_holder_does_not_pin_an_empty_placeholder() ->
     _validate(a, b, c)
 
 
+def test_a_fork_request_for_a_freed_value_fails_the_fork_for_good() -> None:
+    """B's own RRef (B created it: B is alive, so the id's creator is not dead) goes to A; A
+    passes its fork to C and dies; B frees the value. The owner answers C's fork request
+    with the loss, and C's RRef fails on every use from then on, however late: once
+    ``released`` forgets the id (after its horizon), a fetch from C would make a placeholder
+    that waits for a value that never comes, and stays (before: the ack said nothing, C's
+    RRef looked alive, and a to_here after the horizon timed out and left the placeholder
+    on the owner for good)."""
+    now = [0.0]
+    a, c = new_ctx(0), new_ctx(2)
+    b = RRefContext(1, IdGenerator(1), horizon=60.0, clock=lambda: now[0])
+    rec = b.new_local_owner("value", "str")
+    rid = rec.rref_id
+    arec, _ = a.on_fork_received(b.fork_owned(rec, 0), 1)
+    del rec  # B's own RRef object is gone: A's fork alone keeps the value
+    gc.collect()
+    data = a.fork_user(arec, 2)
+    assert [type(x) for x in b.on_peer_dead(0)] == [Release] and b.owners == {}
+    crec, _ = c.on_fork_received(data, 0)
+    lost = b.on_fork_request(rid, data.fork_id, 2)
+    assert lost is not None and "no longer exists" in str(lost) and b.owners == {} and b.forks == {}
+    actions = c.on_fork_request_ack(data.fork_id, RpcError("gone"))
+    assert crec.confirmed and str(crec.error) == "gone", "C's RRef fails on every use, without asking B"
+    assert [type(x) for x in actions] == [ChildAccept], "its parent may let its own fork go"
+    for later in (RRefId(1, 901), RRefId(1, 902)):  # values freed two horizons later: B forgets this one
+        now[0] += 61.0
+        b.released.add(later)
+    assert not b._lost(rid), "a fetch from C now would make a placeholder: C must never send one"
+    assert b.on_user_delete(rid, data.fork_id) == [] and b.counts() == ZERO_COUNTS and b.leaks() == []
+
+
+def test_the_control_loops_carry_the_loss_of_a_freed_value_to_the_fork_requester() -> None:
+    """The same through the runtime's control loops: B answers the fork request with ERROR,
+    and C's control loop fails C's RRef with an error that names the RRef and its owner."""
+    a, b, c = new_ctx(0), new_ctx(1), new_ctx(2)
+
+    class Model:  # what SimWorker needs of the state machine
+        ctxs = {1: b, 2: c}
+        msg_ids = itertools.count(1)
+        net: list = []
+
+        def sent(self, worker: int, msg: Any) -> None:
+            pass
+
+        def _check_release(self, worker: int, rec: Any) -> None:
+            pass
+
+    m: Any = Model()
+    wb, wc = SimWorker(m, 1), SimWorker(m, 2)
+    rec = b.new_local_owner("value", "str")
+    rid = rec.rref_id
+    arec, _ = a.on_fork_received(b.fork_owned(rec, 0), 1)
+    del rec
+    gc.collect()
+    data = a.fork_user(arec, 2)
+    b.on_peer_dead(0)
+    crec, actions = c.on_fork_received(data, 0)
+    wc.control.perform(actions)  # C sends its fork request
+    request = m.net.pop()
+    assert request.kind is ForkRequest
+    wb.control.on_incoming(2, request.args["msg_id"], request.args["msg"])
+    reply = m.net.pop()
+    assert reply.kind == "reply" and reply.args["meta"][0] == 1, reply  # ERROR
+    wc.pending.pop(reply.args["msg_id"])[1](reply.args["meta"], reply.args["frames"], None)
+    wc.drain()
+    assert crec.confirmed and isinstance(crec.error, RpcError)
+    assert f"RRef {rid} no longer exists on its owner 'w1'" in str(crec.error), crec.error
+
+
 def test_placeholder_of_a_dead_creator_fails_its_fetches_and_goes() -> None:
     b = new_ctx(1)
     rid = RRefId(0, 5)  # created by worker 0, whose PYTHON_REMOTE never arrived
