@@ -42,7 +42,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from rrefrt.group.store import StoreClient, StoreError, StoreTimeout
 
@@ -245,7 +245,8 @@ class NodeMonitor(threading.Thread):
     """Heartbeats for this node (every 0.5 s) and watches the job: posts ``(kind, detail)`` events.
 
     Kinds: "abort" (detail: the abort record), "store_lost" (str), "node_lost" (node rank),
-    "nodes_done" (None; master only: every other node published ``done``).
+    "nodes_done" (master only: every other node published ``done``; detail: the nodes among
+    them whose code was not 0).
     ``wake`` is called after each event is queued, from this thread.
     """
 
@@ -270,6 +271,18 @@ class NodeMonitor(threading.Thread):
         self.join(timeout)
         self._client.close()
 
+    def _failed(self, nodes: Iterable[int]) -> list[int]:
+        """Of ``nodes`` (each published ``done``), those whose code was not 0 (a worker failed
+        and the node went on: ``--on-failure continue``)."""
+        failed = []
+        for r in nodes:
+            try:
+                if self._client.get(_key("done", r), 5.0) != b"0":
+                    failed.append(r)
+            except StoreError:
+                failed.append(r)
+        return failed
+
     def _post(self, kind: str, detail: object) -> None:
         self.events.put((kind, detail))
         self._wake()
@@ -289,7 +302,7 @@ class NodeMonitor(threading.Thread):
                     self._pending = tuple(pending)
                     if not pending and not done_posted:
                         done_posted = True
-                        self._post("nodes_done", None)
+                        self._post("nodes_done", self._failed(r for r in others if r not in lost))
                     now = time.monotonic()
                     for r in pending:
                         count = self._client.add(_key("alive", r), 0)

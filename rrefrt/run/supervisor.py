@@ -98,6 +98,8 @@ class Supervisor:
         self._lost_nodes: set[int] = set()  #: nodes declared lost (node 0 only)
         self._dyn: DynamicJob | None = None  #: --dynamic / --join (rrefrt/run/dynamic.py)
         self._dyn_failed = False  #: a worker failed and the job went on (--on-failure continue)
+        #: node 0: every other node is done (the ones among them that had a failure); None: not yet
+        self._nodes_done: list[int] | None = None
         self._dump_dir: str | None = None  #: the job's dump directory (rrefrt/run/dump.py)
         self._dump_asked = False  #: SIGUSR1 arrived, no dump round started for it yet
         self._dump_thread: threading.Thread | None = None  #: the dump round under way
@@ -410,8 +412,14 @@ class Supervisor:
                     f"{self.cfg.node_timeout:g}s (--node-timeout)")
                 self._stop_for_job(f"node {detail} was lost")
                 self._publish_abort({"what": f"node {detail} was lost"})
-            elif kind == "nodes_done" and self.phase == "waiting_nodes":
-                self._finish(self.exit_code if self.exit_code is not None else 0)
+            elif kind == "nodes_done":  # posted once: kept for when our own workers end
+                assert isinstance(detail, list)
+                self._nodes_done = detail
+                if detail:
+                    self.extra_report.append("rrefrt-run: a worker failed on node(s) " + ", ".join(map(str, detail))
+                                             + " (the job went on: --on-failure continue)")
+                if self.phase == "waiting_nodes":
+                    self._finish(self._job_code())
 
     def _stop_for_job(self, why: str) -> None:
         if self.phase == "running":
@@ -428,16 +436,16 @@ class Supervisor:
             if self.cfg.join is not None or not self._dyn.joiners_running(self.cfg.node_timeout):
                 self._finish(self.exit_code or 0)
         elif self.phase == "running" and all(not w.running for w in self.workers):
-            if not self.cfg.multi_node:
-                self._finish(0)
-                return
-            if not self.cfg.is_master:
-                self._finish(0)
+            code = 1 if self._dyn_failed else 0  # a worker failed and the others went on
+            if not self.cfg.multi_node or not self.cfg.is_master:
+                self._finish(code)
                 return
             assert self._client is not None
-            publish_done(self._client, self.cfg.node_rank, 0)
-            self.exit_code = 0
+            publish_done(self._client, self.cfg.node_rank, code)
+            self.exit_code = code
             self.phase, self.reason = "waiting_nodes", "waiting for the other nodes"
+            if self._nodes_done is not None:  # they finished before our own workers did
+                self._finish(self._job_code())
         elif self.phase == "stopping":
             if all(not w.running for w in self.workers):
                 self._finish(self.exit_code if self.exit_code is not None else 1)
@@ -465,6 +473,10 @@ class Supervisor:
             w.signal_group(signal.SIGKILL)
         self._kill_at = None
         self._give_up_at = time.monotonic() + _KILL_WAIT_S
+
+    def _job_code(self) -> int:
+        """Node 0, every node done: 0 if every worker of every node exited 0."""
+        return 1 if self.exit_code or self._nodes_done else 0
 
     def _finish(self, code: int) -> None:
         if self._dyn is not None:

@@ -314,6 +314,34 @@ def test_a_failure_on_one_node_stops_the_other(procs, tmp_path):
 
 
 @pytest.mark.timeout(40)
+def test_node_0_ends_when_the_other_nodes_ended_before_its_own_workers(procs, tmp_path):
+    """Node 1's workers end at once, node 0's 3 s later: node 0 exits 0 as soon as its own
+    do (it used to take the other nodes' "done" while its workers ran, ignore it, and then
+    wait for it for good)."""
+    t0 = time.monotonic()
+    results = _two_nodes(procs, tmp_path, ["--hold", "3", "--hold-ranks", "0,1"])
+    for rc, _, err in results:
+        assert rc == 0, err
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.timeout(40)
+def test_on_failure_continue_goes_on_and_still_exits_1(procs, tmp_path):
+    """--on-failure continue without --dynamic: the other workers run to their end, and the
+    launcher exits 1 (it used to exit 0 after reporting the failure); on two nodes, node 0
+    exits 1 too and names the node."""
+    p = procs.launch(["--nproc-per-node", "2", "--on-failure", "continue", WORKER, str(tmp_path),
+                      "--exit-rank", "1", "--hold", "1", "--hold-ranks", "0"])
+    rc, _, err = finish(p, 25)
+    assert rc == 1 and "rank 1" in err and "exited with code 3" in err, err
+    assert read_json(tmp_path / "rank0.json"), "rank 0 ran to its end"
+    (rc0, _, err0), (rc1, _, err1) = _two_nodes(procs, tmp_path, ["--exit-rank", "3"],
+                                                extra=("--on-failure", "continue"))
+    assert rc1 == 1, err1
+    assert rc0 == 1 and "a worker failed on node(s) 1" in err0, err0
+
+
+@pytest.mark.timeout(40)
 def test_nodes_with_different_secrets_refuse_to_start(procs, tmp_path):
     port = free_port()
     common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),

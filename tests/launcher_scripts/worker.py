@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--exit-rank", type=int, default=-1)
     p.add_argument("--code", type=int, default=3)
     p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument("--hold-ranks", default="", help="comma list: only these ranks hold (default: all)")
     p.add_argument("--on-term", action="store_true")
     p.add_argument("--ignore-term", action="store_true")
     p.add_argument("--note-term", action="store_true")
@@ -123,8 +124,8 @@ def main() -> None:
         print(f"rank {rank} exiting with code {args.code}", file=sys.stderr)
         _write_json(os.path.join(args.outdir, f"exit{rank}.json"), {"at": time.monotonic()})
         sys.exit(args.code)
-    if args.hold:
-        time.sleep(args.hold)
+    if args.hold and (not args.hold_ranks or str(rank) in args.hold_ranks.split(",")):
+        time.sleep(args.hold)  # (a worker that takes this long: what the tests are about)
 
 
 if __name__ == "__main__":
