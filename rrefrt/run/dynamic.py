@@ -23,14 +23,18 @@ NOTE [The host outlives the joiners]
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 from rrefrt.group.store import StoreClient, StoreError
 
 from rrefrt.run.config import LaunchError
 
 __all__ = ["DynamicJob", "parse_join"]
+
+log = logging.getLogger("rrefrt.run")
 
 PREFIX = "launcher/dyn/"
 _HEARTBEAT_S = 0.5
@@ -46,8 +50,12 @@ class DynamicJob:
     """This launcher's part of a dynamic job: its block of ranks, and (joining) its
     heartbeat, or (hosting) the joining launchers it waits for."""
 
-    def __init__(self, client: StoreClient, nproc: int, joining: bool, addr: str, port: int) -> None:
+    def __init__(self, client: StoreClient, nproc: int, joining: bool, addr: str, port: int,
+                 connect: Callable[[], StoreClient]) -> None:
+        """``connect``: a new client of the store, as the supervisor's own (it proves the job
+        secret when the store asks for it), for the heartbeat's own connection."""
         self._client = client
+        self._connect = connect
         try:
             self.first_rank = client.add(PREFIX + "next_rank", nproc) - nproc
             self.number = client.add(PREFIX + "launchers", 1) if joining else 0
@@ -63,8 +71,10 @@ class DynamicJob:
 
     def _beat(self) -> None:
         try:  # its own connection: the supervisor's client is used on the main thread
-            client = StoreClient(self._addr, self._port, connect_timeout=5.0)
-        except StoreError:
+            client = self._connect()
+        except StoreError as e:  # the host stops waiting for this launcher after --node-timeout
+            log.warning("the heartbeat of this joining launcher cannot reach the store at %s:%d (%s): the "
+                        "hosting launcher may end before this one's workers do", self._addr, self._port, e)
             return
         try:
             while not self._stop.wait(_HEARTBEAT_S):

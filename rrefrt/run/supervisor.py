@@ -157,7 +157,8 @@ class Supervisor:
             raise LaunchError(f"node 0 never arrived: {e}") from None
         me = local_node_info(cfg.node_rank, cfg.nnodes, cfg.nproc_per_node, secret)
         if cfg.dynamic_mode:  # no node rendezvous: ranks come from the store's counter
-            self._dyn = DynamicJob(self._client, cfg.nproc_per_node, cfg.join is not None, addr, port)
+            self._dyn = DynamicJob(self._client, cfg.nproc_per_node, cfg.join is not None, addr, port,
+                                   lambda: self._store_client(addr, port, 5.0))
             self._world = World((me,), 0)
         else:
             store = self._store

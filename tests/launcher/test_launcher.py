@@ -341,6 +341,33 @@ def test_on_failure_continue_goes_on_and_still_exits_1(procs, tmp_path):
     assert rc0 == 1 and "a worker failed on node(s) 1" in err0, err0
 
 
+@pytest.mark.timeout(60)
+def test_the_dynamic_host_waits_for_a_joining_launcher_of_a_job_with_a_secret(procs, tmp_path):
+    """With RREFRT_SECRET set (as docs/launcher.md says dynamic jobs should), the --join
+    launcher's heartbeat proves the secret like its other store connections, and the
+    --dynamic host keeps the store up until the joiner ends (the heartbeat used to be
+    refused without a word, and the host ended after --node-timeout, under running workers)."""
+    port = free_port()
+    env = launcher_env(RREFRT_SECRET="0123456789abcdef0123456789abcdef")
+    (tmp_path / "host").mkdir()
+    (tmp_path / "joiner").mkdir()
+    host = procs.launch(["-q", "--dynamic", "--master-port", str(port), "--node-timeout", "2",
+                         WORKER, str(tmp_path / "host"), "--hold", "2"], env=env)  # the joiner arrives meanwhile
+    poll_for(lambda: _listening(port) or host.poll() is not None, time.monotonic() + 30, "the --dynamic launcher's store")
+    joiner = procs.launch(["-q", "--join", f"127.0.0.1:{port}", "--node-timeout", "2",
+                           WORKER, str(tmp_path / "joiner"), "--hold", "6"], env=env)
+    rc, _, err = finish(host, 40)
+    assert rc == 0, err
+    assert joiner.poll() is not None, "the host ended while the joining launcher still ran"
+    rc, _, err = finish(joiner, 10)
+    assert rc == 0, err
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @pytest.mark.timeout(40)
 def test_nodes_with_different_secrets_refuse_to_start(procs, tmp_path):
     port = free_port()
