@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.machinery
+import math
 import os
 import re
 import sys
@@ -111,10 +112,10 @@ class LaunchConfig:
                              "(workers are never forked from the launcher)")
         for flag, value in (("--rdzv-timeout", self.rdzv_timeout),
                             ("--node-timeout", self.node_timeout)):
-            if not value > 0:
+            if not 0 < value < math.inf:
                 raise UsageError(f"{flag} must be a positive number of seconds (got {value})")
-        if not self.grace_period >= 0:
-            raise UsageError(f"--grace-period must be >= 0 seconds (got {self.grace_period})")
+        if not 0 <= self.grace_period < math.inf:
+            raise UsageError(f"--grace-period must be a number of seconds >= 0 (got {self.grace_period})")
         _at_least("--tail-lines", self.tail_lines, 0, "")
         self._validate_dynamic()
         self._validate_target()

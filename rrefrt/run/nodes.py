@@ -48,7 +48,7 @@ from rrefrt.group.store import StoreClient, StoreError, StoreTimeout
 
 from rrefrt.run.config import LaunchError
 
-__all__ = ["NodeInfo", "World", "rendezvous", "NodeMonitor", "secret_fingerprint", "secret_refused"]
+__all__ = ["NodeInfo", "World", "rendezvous", "withdraw", "NodeMonitor", "secret_fingerprint", "secret_refused"]
 
 log = logging.getLogger("rrefrt.run.rendezvous")
 
@@ -118,6 +118,17 @@ def rendezvous(client: StoreClient, me: NodeInfo, where: str, timeout: float,
             except StoreError:
                 pass
         raise
+
+
+def withdraw(client: StoreClient, node_rank: int) -> None:
+    """This node's launcher was interrupted during the rendezvous: give its node rank back,
+    so that a launcher started again for it can claim it (``client``: a fresh connection;
+    the interrupted one may be in the middle of a request)."""
+    try:
+        client.delete_key(_key("node", node_rank))
+        client.delete_key(_key("claim", node_rank))
+    except StoreError as e:
+        log.info("could not give node rank %d back: %s", node_rank, e)
 
 
 def linger_after_failed_rendezvous(client: StoreClient, nnodes: int, timeout: float) -> None:

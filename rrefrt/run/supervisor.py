@@ -47,7 +47,7 @@ from rrefrt.run.config import LaunchConfig, LaunchError, UsageError
 from rrefrt.run.devices import DevicePlan, plan_devices, usable_cores, visible_gpus
 from rrefrt.run.output import Console, OutputPump, tail_of_file
 from rrefrt.run.nodes import (NodeMonitor, World, linger_after_failed_rendezvous, local_node_info, secret_refused,
-                         publish_abort, publish_done, rendezvous)
+                         publish_abort, publish_done, rendezvous, withdraw)
 from rrefrt.run.workers import Worker, WorkerSpec, build_argv, group_members, signal_name, worker_environ
 
 __all__ = ["Supervisor"]
@@ -108,16 +108,21 @@ class Supervisor:
 
     def run(self) -> int:
         old = self._install_signals()
+        code = 1
         try:
-            return self._run()
+            code = self._run()
         except Interrupted as e:
             self.console.message(f"rrefrt-run: interrupted by {e} before any worker started")
-            return 128 + e.signum
+            code = 128 + e.signum
         finally:
             try:
                 self._cleanup()
+            except Interrupted as e:  # another signal while cleaning up: the cleanup is cut short
+                self.console.message(f"rrefrt-run: interrupted by {e} while cleaning up")
+                code = 128 + e.signum
             finally:
                 self._restore_signals(old)
+        return code
 
     def _run(self) -> int:
         cfg = self.cfg
@@ -167,6 +172,17 @@ class Supervisor:
                 self._world = rendezvous(self._client, me, where, cfg.rdzv_timeout, refused)
             except StoreError as e:
                 raise LaunchError(f"lost the rendezvous store at {where}: {e}") from None
+            except Interrupted:
+                if not cfg.is_master:  # (node 0's store ends with it)
+                    self._client.close()  # it may be in the middle of a request
+                    try:
+                        fresh = self._store_client(addr, port, 2.0)
+                    except StoreError as e:
+                        log.info("could not give node rank %d back: %s", cfg.node_rank, e)
+                    else:
+                        withdraw(fresh, cfg.node_rank)
+                        fresh.close()
+                raise
         self._print_header(plan, where)
         self._dump_dir = make_dump_dir()
         self._spawn_all(plan, addr, port, secret)

@@ -250,6 +250,9 @@ def test_a_second_signal_kills_at_once(procs, tmp_path):
     (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", WORKER],
      "--node-rank 2 is out of range"),
     (["--gpus", "lots", WORKER], "expected a number of GPUs or 'auto'"),
+    (["--grace-period", "inf", WORKER], "--grace-period must be a number of seconds >= 0 (got inf)"),
+    (["--node-timeout", "nan", WORKER], "--node-timeout must be a positive number of seconds (got nan)"),
+    (["--rdzv-timeout", "inf", WORKER], "--rdzv-timeout must be a positive number of seconds (got inf)"),
 ])
 def test_bad_arguments_are_clear_errors(procs, args, message):
     rc, out, err = finish(procs.launch(args), 20)
@@ -366,6 +369,34 @@ def test_the_dynamic_host_waits_for_a_joining_launcher_of_a_job_with_a_secret(pr
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_node_interrupted_during_the_rendezvous_can_be_started_again(procs, tmp_path):
+    """Node 1 is interrupted (SIGINT) while it waits for node 2: it gives its node rank back,
+    so a launcher started again for node 1 joins the job and all three nodes finish (the
+    claim used to stay: the new node 1 was refused as a second claimant, naming the dead
+    launcher, and the whole job failed)."""
+    from rrefrt.group.store import StoreClient
+
+    port = free_port()
+    common = ["--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--rdzv-timeout", "30", WORKER, str(tmp_path)]
+    node0 = procs.launch(["--node-rank", "0", *common])
+    poll_for(lambda: _listening(port) or node0.poll() is not None, time.monotonic() + 30, "node 0's store")
+    first = procs.launch(["--node-rank", "1", *common])
+    store = StoreClient("127.0.0.1", port, 5.0)
+    try:
+        poll_for(lambda: store.check(["launcher/node/1"]), time.monotonic() + 30, "node 1 registered")
+    finally:
+        store.close()
+    first.send_signal(signal.SIGINT)
+    rc, _, err = finish(first, 20)
+    assert rc == 130, err
+    again = procs.launch(["--node-rank", "1", *common])
+    node2 = procs.launch(["--node-rank", "2", *common])
+    for rc, _, err in finish_all([node0, again, node2], 40):
+        assert rc == 0, err
 
 
 @pytest.mark.timeout(40)

@@ -134,7 +134,7 @@ def test_script_arguments_pass_through_untouched():
 @pytest.mark.parametrize("args, message", [
     (["--max-workers-per-gpu", "0", WORKER], "--max-workers-per-gpu must be at least 1"),
     (["--gpus", "-1", WORKER], "--gpus must be at least 0"),
-    (["--grace-period", "-1", WORKER], "--grace-period must be >= 0"),
+    (["--grace-period", "-1", WORKER], "--grace-period must be a number of seconds >= 0"),
     (["--rdzv-timeout", "0", WORKER], "--rdzv-timeout must be a positive number"),
     (["--master-port", "70000", WORKER], "--master-port 70000 is not a TCP port"),
     (["--cpu-threads-per-worker", "0", WORKER], "--cpu-threads-per-worker must be at least 1"),
