@@ -112,6 +112,77 @@ def test_a_receivers_smaller_limit_raises_message_too_large_at_the_sender(mesh: 
     assert b.expect("done", 10)["error"] == "MessageTooLarge"
 
 
+@pytest.mark.timeout(60)
+def test_a_first_message_over_the_receivers_limit_fails_with_message_too_large_with_lazy_connections(mesh: Mesh) -> None:
+    """Lazy connections: A's first message to B goes before B's HELLO told A its limit. A
+    request over it fails with MessageTooLarge naming B as soon as the HELLO comes, and is
+    never sent (it used to be sent: B's libzmq dropped the connection with it, and the
+    request only timed out); the next message goes through."""
+    lazy = {"max_message_size": 8 << 20, "connect": "lazy"}
+    a = mesh.local(0, "A", lazy)
+    others = [mesh.child(1, "W1", lazy), mesh.child(2, "B", lazy | {"max_message_size": 1 << 20}),
+              mesh.child(3, "W3", lazy)]
+    mesh.join(a, others)  # of 4, A and B are not join neighbours: no contact yet
+    assert a.agent.peer_limit(2) == 8 << 20, "not known yet"  # type: ignore[attr-defined]
+    big = call(a.agent, 2, ECHO, None, [bytes(3 << 20)], 20.0)
+    small = call(a.agent, 2, COUNT, None, [b"x"], 20.0)
+    big.wait(10)
+    assert isinstance(big.error, MessageTooLarge) and "'B'" in str(big.error), big.error
+    assert time.monotonic() - big.t_sent < 5.0
+    assert small.result(10)[0] == [0], "nothing over the limit reached B"
+
+
+def _lazy_four(mesh: Mesh) -> Local:
+    """A (here) and three children, lazy connections: A and B (2) are not join neighbours,
+    so A has never talked to B nor watched it."""
+    lazy = {"connect": "lazy", **HB}
+    a = mesh.local(0, "A", lazy)
+    mesh.join(a, [mesh.child(1, "W1", lazy), mesh.child(2, "B", lazy), mesh.child(3, "W3", lazy)])
+    assert a.agent.table.state(2) is None, "B is not watched here yet"  # type: ignore[attr-defined]
+    return a
+
+
+@pytest.mark.timeout(60)
+def test_a_member_never_talked_to_is_alive_and_its_verdicts_hold_with_lazy_connections(mesh: Mesh) -> None:
+    """Lazy connections, B never talked to: it counts as alive (not known dead; a stranger's
+    id does not); another transport's verdict on it (declare_dead) is this worker's verdict
+    like any other: reported, held, spread (it used to be a no-op: this worker alone held B
+    dead in the composite, and B never learnt it was expelled)."""
+    a = _lazy_four(mesh)
+    assert a.agent.is_alive(2) and not a.agent.is_alive(99)
+    a.agent.declare_dead(2, "EOF seen by the same-host plane")
+    poll_for(lambda: any(d[0] == 2 for d in a.dead), 5, "A reports B dead")
+    assert 2 in a.agent.dead_peers() and not a.agent.is_alive(2)
+    err = _request_error(a, 2)
+    assert isinstance(err, PeerUnavailable) and "same-host plane" in str(err), err
+
+
+@pytest.mark.timeout(60)
+def test_removing_a_member_never_talked_to_fails_what_is_sent_to_it_with_lazy_connections(mesh: Mesh) -> None:
+    """A member left the group (remove_peer) that this worker never talked to: it is gone
+    here as any other (reported once, in dead_peers, calls to it fail at once naming the
+    departure); it used to stay unknown: a call to it reached the departed endpoint, or
+    waited without a bound."""
+    a = _lazy_four(mesh)
+    a.agent.remove_peer(2, "it left the group")
+    poll_for(lambda: any(d[0] == 2 for d in a.dead), 5, "A reports B gone")
+    assert 2 in a.agent.dead_peers() and [d[1] for d in a.dead if d[0] == 2] == ["it left the group"]
+    err = _request_error(a, 2)
+    assert isinstance(err, PeerUnavailable) and "it left the group" in str(err), err
+
+
+def _request_error(a: Local, dest: int) -> BaseException | None:
+    """How a request without a deadline to ``dest`` fails (at the call, or in its on_done
+    within 5 s: a bound the test's own)."""
+    c = Call()
+    try:
+        a.agent.request(dest, ECHO, None, [], 0, c.on_done)
+    except PeerUnavailable as e:
+        return e
+    c.wait(5)
+    return c.error
+
+
 # ---------------------------------------------------------------------------- large messages
 @pytest.mark.timeout(120)
 def test_a_transfer_longer_than_the_heartbeat_timeout_is_delivered(mesh: Mesh) -> None:

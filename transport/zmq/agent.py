@@ -364,7 +364,9 @@ class ZmqTransport:
         if peer_id == self.id:
             return not self._closed.is_set() and self._fenced is None
         state = self.table.state(peer_id)
-        return state is not None and state is not PeerState.DEAD
+        if state is None:  # a member not watched yet (lazy connections): not known dead
+            return peer_id in self._names
+        return state is not PeerState.DEAD
 
     def is_local(self, peer_id: int) -> bool:
         return peer_id == self.id or self._local.get(peer_id, False)
@@ -842,10 +844,34 @@ class ZmqTransport:
         return True
 
     def _flush_backlog(self, peer: Peer) -> None:
+        limit = self._peer_max.get(peer.spec.id)  # its HELLO came: what waited is checked against it
         while peer.backlog and peer.joined:
-            if not self._try_send(peer, peer.backlog[0]):
+            frames = peer.backlog[0]
+            if limit is not None and sum(nbytes(f) for f in frames[1:]) > limit:
+                peer.backlog.popleft()
+                self._refuse_too_large(peer, frames, limit)
+                continue
+            if not self._try_send(peer, frames):
                 return
             peer.backlog.popleft()
+
+    def _refuse_too_large(self, peer: Peer, frames: list, limit: int) -> None:
+        """Data loop: a message queued before ``peer``'s HELLO told its limit is over it. It is
+        not sent (the receiver's libzmq would drop the connection with it, and the request
+        would only time out): its request fails with MessageTooLarge, as at the call site."""
+        size = sum(nbytes(f) for f in frames[1:])
+        lend.drop(frames)
+        self.stats["messages_too_large"] += 1
+        err = MessageTooLarge(f"message of {size} bytes exceeds the limit of worker {peer.spec.name!r} of {limit} bytes")
+        try:
+            kind, msg_id, _ = wire.decode_header(bytes(frames[0]))
+        except wire.MalformedMessage:
+            return
+        p = peer.pending.pop(msg_id, None) if kind != wire.RESPONSE and msg_id else None
+        if p is not None:
+            self._fail(p, err)
+        else:
+            log.warning("worker %r: a message to %r was not sent: %s", self.name, peer.spec.name, err)
 
     def _hello(self, kind: int) -> list[bytes]:
         return [wire.encode_header(kind, 0, [self.incarnation, self.name, self.config.max_message_size])]

@@ -251,7 +251,9 @@ class Heartbeat:
         """Declare ``peer`` dead on this worker's own evidence, or on another transport's
         (the composite's same-host path saw its process go): judged on the heartbeat thread
         and told to the others as this worker's own verdict (NOTE [Membership])."""
-        self._schedule(lambda: self._verdict(self.table.declare(peer, cause), tell=True))
+        # a member not watched here yet (lazy connections) is declared all the same: the
+        # verdict must not depend on whether this worker happened to talk to it (NOTE [Membership])
+        self._schedule(lambda: self._verdict(self.table.declare(peer, cause, add=peer in self._peers), tell=True))
 
     def forget(self, peer: int, cause: str) -> None:
         """A member left the group (dynamic groups): dead here, nobody told, its endpoints
@@ -259,7 +261,7 @@ class Heartbeat:
 
         def run() -> None:
             self._departed.add(peer)
-            v = self.table.declare(peer, cause)
+            v = self.table.declare(peer, cause, add=peer in self._peers)  # watched here or not
             if v is not None:
                 entry = self._peers.get(peer)
                 log.info("worker %r dropped worker %r: %s", self.name, entry[2] if entry else peer, cause)
