@@ -19,7 +19,7 @@ import pytest
 from tests.support import poll_for
 from tests.transport.test_transport import Call, Local, Mesh, call, mesh  # noqa: F401 - the fixture
 from tests.transport_helpers.peer import COUNT, ECHO, IGNORE
-from rrefrt_transport import Fenced, MessageTooLarge, PeerUnavailable, TransportConfig, create
+from rrefrt_transport import Fenced, MessageTooLarge, PeerSpec, PeerUnavailable, TransportConfig, TransportError, create
 from rrefrt_transport import hosts
 
 HB = {"heartbeat_interval": 0.2, "heartbeat_timeout": 0.6}
@@ -181,6 +181,32 @@ def _request_error(a: Local, dest: int) -> BaseException | None:
         return e
     c.wait(5)
     return c.error
+
+
+@pytest.mark.timeout(60)
+def test_a_join_does_not_return_before_its_members_are_known_to_the_data_loop(mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heartbeat hears a peer (and asks the data loop whether everyone is up) before the
+    join's setup reached the data loop: the join still waits for its members, and fails
+    naming the one that never answers (an empty set of awaited peers read as "all up", and
+    the join returned as if it had succeeded)."""
+    a = mesh.local(0, "A", HB)
+    silent = create(TransportConfig(1, "S", 7, **HB), lambda *x: None, lambda p, c: None)
+    try:
+        spec = PeerSpec(1, "S", 7, silent.listen())  # bound, never started: no HELLO comes back
+        hb = a.agent._hb  # type: ignore[attr-defined]
+        real_join = hb.join
+
+        def join_then_heard(members: Any, timeout: Any) -> None:
+            real_join(members, timeout)
+            ran = threading.Event()  # a peer heard now: its check runs before the setup is queued
+            a.agent._loop.call_soon(lambda: (a.agent._check_all_up(), ran.set()))  # type: ignore[attr-defined]
+            assert ran.wait(5)
+
+        monkeypatch.setattr(hb, "join", join_then_heard)
+        with pytest.raises(TransportError, match="'S'"):
+            a.agent.connect_peers([a.spec, spec], 1.0)
+    finally:
+        silent.close()
 
 
 # ---------------------------------------------------------------------------- large messages

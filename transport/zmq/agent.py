@@ -170,6 +170,8 @@ class ZmqTransport:
         self._watched: set[int] = set()  #: peers the heartbeat watches (data loop)
         self._self_pending: dict[int, Pending] = {}  #: msg_id -> request sent to ourselves
         self._all_up = threading.Event()
+        #: one entry per join setup queued for the data loop and not run yet (``_queue_setup``)
+        self._setups: collections.deque = collections.deque()
         self._closed = threading.Event()
         self._closing = False
         self._fenced: Fenced | None = None
@@ -252,12 +254,13 @@ class ZmqTransport:
         plan = self._plan(peers)
         contact = mesh.contacts(self.id, [s.id for s, *_ in plan], self._eager, self.config.join_fanout)
         members = [(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan]
+        self._setups.append(None)  # before the heartbeat can hear anyone: see _check_all_up
         if self._eager:  # before the data loop's setup: a first contact must find them known
             self._hb.join(members, timeout)
         else:
             self._hb.know(members)
         awaited = {s.id for s, *_ in plan} if self._eager else contact
-        self._loop.call_soon(lambda: self._setup(plan, contact, awaited))
+        self._queue_setup(plan, contact, awaited)
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
             raise self._join_error
@@ -283,16 +286,18 @@ class ZmqTransport:
             self._adding.update({s.id: s.incarnation for s in fresh})
             self._join_error = None
             members = [(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps]
+            self._setups.append(None)  # before the heartbeat can hear them: see _check_all_up
             if self._eager or contact:
                 self._hb.join(members, timeout if timeout > 0 else None)
             else:
                 self._hb.know(members)
             if awaited:
                 self._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
-            self._loop.call_soon(lambda: self._setup(steps, contact, awaited))
+            self._queue_setup(steps, contact, awaited)
         elif contact:
             self._all_up.clear()
-            self._loop.call_soon(lambda: self._setup([], contact, awaited))
+            self._setups.append(None)
+            self._queue_setup([], contact, awaited)
         if timeout <= 0:
             return
         deadline = time.monotonic() + timeout
@@ -433,7 +438,26 @@ class ZmqTransport:
         except LoopClosed:
             pass
 
+    def _queue_setup(self, steps: mesh.Plan, contact: set[int], awaited: set[int]) -> None:
+        """Hand a join's setup to the data loop. ``_setups`` holds one entry per setup queued
+        and not run yet: the caller appends it before the heartbeat learns the new members,
+        the setup removes it once it ran."""
+        def run() -> None:
+            try:
+                self._setup(steps, contact, awaited)
+            finally:
+                self._setups.pop()
+                self._check_all_up()
+
+        try:
+            self._loop.call_soon(run)
+        except BaseException:
+            self._setups.pop()
+            raise
+
     def _check_all_up(self) -> None:
+        if self._setups:  # a join's members are not all known to the data loop yet: a peer heard
+            return  # before its setup ran must not make an empty ``_awaited`` read as "all up"
         awaited = [self._peers[i] for i in self._awaited if i in self._peers]
         if all(self._is_up(p) or self.table.state(p.spec.id) is PeerState.DEAD for p in awaited):
             self._all_up.set()
