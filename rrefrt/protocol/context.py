@@ -136,7 +136,8 @@ class RRefContext(ContextAudit, ContextDrops):
             return self._confirm(rec)
 
     def abandon_user(self, fork_id: ForkId, error: BaseException) -> list[Action]:
-        """The creating message of a remote() was never acknowledged: the RRef fails with
+        """The creating message of a remote() was never acknowledged (or could not be sent:
+        no RRef object will hold the record): the RRef fails with
         ``error`` on every use, and a delete goes to the owner at once (once no child
         forked from it is pending). The owner keeps a tombstone, so a creation that turns
         up late never runs, and one that did arrive (only its ack was lost) is freed."""

@@ -24,6 +24,8 @@ header passed validation (``decode``), which is the only place meta is parsed.
                    function runs once; see NOTE [Creation acks] in rrefrt/runtime/creation.py
     Fetch          RREF_FETCH         18    user   -> owner        [rref_id, fork_id]               -
     ForkRequest    RREF_FORK_REQUEST  19    child  -> owner        [rref_id, fork_id, parent]       -
+                   answered OK (registered) or, when the value is gone, ERROR with two frames:
+                   the error's type name and text (not pickled)
     ChildAccept    RREF_CHILD_ACCEPT  20    child/owner -> parent  [fork_id]                        -
     UserDelete     RREF_USER_DELETE   21    user   -> owner        [rref_id, fork_id]               -
     UserDeletes    RREF_USER_DELETES  23    user   -> owner        [rref w, rref n, fork w, fork n, ...] -

@@ -120,15 +120,20 @@ def rendezvous(client: StoreClient, me: NodeInfo, where: str, timeout: float,
         raise
 
 
-def withdraw(client: StoreClient, node_rank: int) -> None:
+def withdraw(client: StoreClient, me: NodeInfo) -> None:
     """This node's launcher was interrupted during the rendezvous: give its node rank back,
     so that a launcher started again for it can claim it (``client``: a fresh connection;
-    the interrupted one may be in the middle of a request)."""
+    the interrupted one may be in the middle of a request). Only a claim of ours: the node
+    record is ours or not written yet (a second launcher for a claimed rank, interrupted,
+    must not remove the first one's)."""
     try:
-        client.delete_key(_key("node", node_rank))
-        client.delete_key(_key("claim", node_rank))
+        other = _read_info(client, me.node_rank)
+        if other is not None and (other.host, other.pid) != (me.host, me.pid):
+            return
+        client.delete_key(_key("node", me.node_rank))
+        client.delete_key(_key("claim", me.node_rank))
     except StoreError as e:
-        log.info("could not give node rank %d back: %s", node_rank, e)
+        log.info("could not give node rank %d back: %s", me.node_rank, e)
 
 
 def linger_after_failed_rendezvous(client: StoreClient, nnodes: int, timeout: float) -> None:

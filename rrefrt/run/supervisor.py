@@ -180,7 +180,7 @@ class Supervisor:
                     except StoreError as e:
                         log.info("could not give node rank %d back: %s", cfg.node_rank, e)
                     else:
-                        withdraw(fresh, cfg.node_rank)
+                        withdraw(fresh, me)
                         fresh.close()
                 raise
         self._print_header(plan, where)
@@ -433,8 +433,8 @@ class Supervisor:
                 assert isinstance(detail, list)
                 self._nodes_done = detail
                 if detail:
-                    self.extra_report.append("rrefrt-run: a worker failed on node(s) " + ", ".join(map(str, detail))
-                                             + " (the job went on: --on-failure continue)")
+                    self.extra_report.append("rrefrt-run: node(s) " + ", ".join(map(str, detail))
+                                             + " ended with a non-zero code")
                 if self.phase == "waiting_nodes":
                     self._finish(self._job_code())
 

@@ -68,7 +68,7 @@ from typing import Any, Callable, Sequence
 
 import rrefrt_transport as transport
 from rrefrt.runtime import collection
-from rrefrt.errors import RpcError
+from rrefrt.errors import RpcError, RRefCreationError
 from rrefrt.protocol.ids import ForkId
 from rrefrt.pool import current_pool
 from rrefrt.runtime.core import WorkerCore
@@ -136,6 +136,21 @@ class Acked:
     error: BaseException | None
     #: the answer's meta, where the sender wants it (a fork request: registered or lost)
     answer: list = field(default_factory=list)
+
+
+def _lost_fork(answer: list, msg: ForkRequest, owner: str) -> RpcError | None:
+    """The owner's answer ``[meta, frames]`` to fork request ``msg``: None if it registered
+    the fork; the error the RRef fails with if its value was gone (an ERROR answer naming
+    the error's type and text: ``RRefCreationError`` or ``RpcError``)."""
+    if not answer or type(answer[0]) is not list or answer[0][:1] != [ERROR]:
+        return None
+    frames = answer[1] if len(answer) > 1 else []
+    try:
+        kind, text = bytes(frames[0]).decode(), bytes(frames[1]).decode()
+    except (IndexError, TypeError, UnicodeDecodeError):
+        kind, text = "RpcError", f"RRef {msg.rref_id} no longer exists on its owner"
+    cls = RRefCreationError if kind == "RRefCreationError" else RpcError
+    return cls(f"{text} (owner {owner!r}, fork {msg.fork_id})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,7 +480,9 @@ class ControlLoop:
         if isinstance(msg, ForkRequest):
             lost = ctx.on_fork_request(msg.rref_id, msg.fork_id, src)
             if lost is not None:  # the value is gone: the requester's RRef fails from now on
-                self.replies.respond(src, msg_id, Response(ERROR).meta(), [], msg)
+                # the error's type and text (not pickled: the requester reads it on its I/O thread)
+                frames = [type(lost).__name__.encode(), str(lost).encode()]
+                self.replies.respond(src, msg_id, Response(ERROR).meta(), frames, msg)
                 return
             actions: list[Action] = []
         elif isinstance(msg, ChildAccept):
@@ -485,11 +502,7 @@ class ControlLoop:
         msg, err, ctx = item.msg, item.error, self.core.ctx
         if isinstance(msg, ForkRequest):
             if err is None:
-                lost = None
-                if item.answer and type(item.answer[0]) is list and item.answer[0][:1] == [ERROR]:
-                    lost = RpcError(f"RRef {msg.rref_id} no longer exists on its owner "
-                                    f"{self.core.worker_name(msg.dest)!r}: it was freed before this fork of it "
-                                    "was registered (the holder that passed it on died), or its creation failed")
+                lost = _lost_fork(item.answer, msg, self.core.worker_name(msg.dest))
                 self._perform(ctx.on_fork_request_ack(msg.fork_id, lost))
             elif isinstance(err, transport.RequestTimeout):  # retries exhausted
                 self._perform(ctx.give_up_user(
@@ -527,7 +540,7 @@ class ControlLoop:
                 elif type(a) is ForkRequest:
                     answer: list[Any] = []
                     self.request(a, lambda e, m=a, ans=answer: self._on_acked(Acked(m, e, ans)),
-                                 on_reply=lambda meta, fr, ans=answer: ans.append(meta))
+                                 on_reply=lambda meta, fr, ans=answer: ans.extend((meta, list(fr))))
                 elif isinstance(a, (UserDelete, UserDeletes)):
                     self.request(a, lambda e, m=a: self._on_acked(Acked(m, e)))
                 elif type(a) is RemoteRet:

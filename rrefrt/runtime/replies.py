@@ -48,7 +48,8 @@ class Replies:
             # (its creator waits for a done answer or a REMOTE_RET, and none would follow)
             done = [1] if type(meta) is list and len(meta) >= 3 else []
             try:
-                core.transport.respond(dest, msg_id, [ERROR, [], *done], self.too_large(e, "result"))
+                what = "the error or value of remote()" if done else "result"
+                core.transport.respond(dest, msg_id, [ERROR, [], *done], self.too_large(e, what))
             except transport.AgentClosed:
                 log.debug("response to worker %d dropped: transport closed", dest)
         except transport.AgentClosed:

@@ -218,7 +218,7 @@ def test_deletes_of_dropped_rrefs_leave_before_a_full_collection(cluster, monkey
     for r in rrefs:
         poll_for(r.confirmed_by_owner, 10)
     drained = rrefrt.rpc_async("w1", fns.when_owning_at_most, args=(base, 30.0))
-    garbage = [[] for _ in range(1_500_000)]  # a collection long enough to tell (~100 ms here)
+    garbage = [[] for _ in range(2_500_000)]  # a collection long enough to tell (~170 ms here, on a loaded CI box too)
     ends: list[float] = []
 
     def on_gc(phase: str, info: dict) -> None:

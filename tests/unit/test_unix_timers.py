@@ -21,7 +21,9 @@ def test_an_answer_taken_on_a_callers_thread_while_its_slice_expires_loses_no_ot
     """A caller that reads its own answer disarms its request on its own thread while the
     loop may be expiring the same slice: either the request leaves the slice first, or
     the loop takes the slice whole; the others in it still time out (the slice used to be
-    changed under the loop's iteration: the rest of it never timed out)."""
+    changed under the loop's iteration: the rest of it never timed out). The caller is
+    switched out for at most 0.5 s: with the timer lock held there, the loop cannot reach
+    the slice meanwhile, and the wait ends at its bound."""
     expired: list[int] = []
     loop_iterating = threading.Event()
     got = threading.Event()

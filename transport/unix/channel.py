@@ -440,9 +440,9 @@ class Channel:
                             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
                             self.rx_fds.extend(fds)
                 if flags & socket.MSG_CTRUNC:  # the kernel dropped fds it sent: no fd number was free
-                    raise unix_wire.ProtocolError(
+                    raise unix_wire.FdsDropped(
                         "a shared-memory segment's file descriptor it sent could not be received: this "
-                        "process has no file descriptor free (RLIMIT_NOFILE)"
+                        "process has no file descriptor free (RLIMIT_NOFILE: raise it with `ulimit -n`)"
                     )
                 if n == 0:
                     raise ChannelLost(

@@ -109,8 +109,9 @@ class Bell:
     def clear(self) -> None:
         """The loop woke on the bell: the next ring writes again. Drained before the flag
         drops: a ring between the two finds the flag up and writes nothing, and its work,
-        queued before it rang, is run by the loop right after this; the other order let
-        such a ring's write be drained with the flag left up, and no ring ever wrote again."""
+        queued before it rang, is run by the loop right after this. (A drain after the flag
+        dropped could take a later ring's write and leave the flag up: no ring would write
+        again.)"""
         try:
             os.eventfd_read(self.fd)
         except OSError:

@@ -317,7 +317,7 @@ class Receiver:
                 self._host.channel_lost(ch, str(e))
                 return
             except unix_wire.ProtocolError as e:  # NOTE [Protocol errors] in rrefrt_transport.unix.transport
-                self._host.close_connection(ch, f"it broke the same-host framing ({e})", True)
+                self._host.close_connection(ch, e.cause(), True)
                 return
             for m in msgs:
                 if ch.state is not UP:
@@ -418,7 +418,7 @@ class Receiver:
                 self.call_soon(lambda: host.channel_lost(ch, cause))
                 return False
             except unix_wire.ProtocolError as e:
-                why = f"it broke the same-host framing ({e})"
+                why = e.cause()
                 self.call_soon(lambda: host.close_connection(ch, why, True))
                 return False
             for i, m in enumerate(msgs):
@@ -495,6 +495,12 @@ class Receiver:
             ch = self._channels.get(pid)
             if ch is not None and ch.state is UP:
                 ch.write(unix_wire.encode(unix_wire.SHM_FORGET, 0, segs, ()))
+
+    def run_calls(self) -> None:
+        """Run what was handed to the loop and not run yet (the loop ended: by its thread)."""
+        calls = self._calls
+        while calls:
+            guard(calls.popleft())
 
     def close(self) -> None:
         self.poller.close()

@@ -145,7 +145,7 @@ class SegmentPool:
         self._lent: dict[int, Segment] = {}  #: id -> segments lent now
         #: (peer, segment id) of segments closed by ``acquire``: ``sweep`` hands them on
         self._forget: list[tuple[int, int]] = []
-        self._dropped = 0
+        self._dropped = 0  #: segments closed because their peer went before marking them
         self._closed = False
 
     def acquire(self, nbytes: int, peer: int) -> Segment:
@@ -303,8 +303,8 @@ def frames_of(
     whichever thread drops the last view - once neither the frames nor anything built on
     them (a memoryview, a numpy array, a tensor) is referenced any more. With ``copy_out``
     the frames are copied out and the segment marked before returning. Raises ValueError
-    for frames that do not fit the segment (a peer that broke the protocol) and for a
-    lease that is not the segment's now (its sender took it back: the message is stale)."""
+    for frames that do not fit the segment and for a lease that is not the segment's now
+    (a peer that broke the protocol: NOTE [Segments] (5))."""
     offsets, used = layout(sizes)
     if used > len(mapping) - TRAILER:
         raise ValueError(f"frames of {used} bytes in a segment of {len(mapping) - TRAILER}")

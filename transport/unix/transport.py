@@ -728,7 +728,10 @@ class UnixTransport:
         big = [v for v, f in zip(views, flags) if f]
         offsets, used = shm.layout([len(v) for v in big])
         seg = self._pool.acquire(used, ch.id)
-        dst = memoryview(seg.map)
+        try:
+            dst = memoryview(seg.map)
+        except ValueError:  # the peer went meanwhile: the segment lent to it was closed (peer_gone)
+            return False
         for o, v in zip(offsets, big):
             dst[o : o + len(v)] = v  # the one copy of a large frame
         dst.release()
@@ -737,7 +740,7 @@ class UnixTransport:
         self._stats["shm_frames_sent"] += len(big)
         bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags, seg.lease))
         if not ch.write(bufs, (seg.fd,) if attach else (), deadline):  # the peer is gone
-            self._rx.forget(self._pool.peer_gone(ch.id))
+            self._peer_gone(ch.id)
             return False
         self._n_sent += 1
         return True
@@ -745,6 +748,13 @@ class UnixTransport:
     def _local(self, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
         snap = [bytes(memoryview(f).cast("B")) for f in frames]
         self._rx.call_soon(lambda: self._rx.dispatch(None, kind, msg_id, meta, snap))
+
+    def _peer_gone(self, peer: int) -> None:
+        """The segments lent to ``peer`` come back, or are closed (NOTE [Segments] (3) in shm.py:
+        counted as ``shm_segments_dropped``); the peers that hold a closed one forget it."""
+        before = self._pool.dropped()
+        self._rx.forget(self._pool.peer_gone(peer))
+        self._stats["shm_segments_dropped"] += self._pool.dropped() - before
 
     def _expire(self, p: Pending, msg_id: int) -> None:
         """Loop thread: ``p``'s deadline passed unanswered."""
@@ -841,7 +851,7 @@ class UnixTransport:
         self._rx.unwatch(ch)
         ch.close_socket()
         ch.drop_queue()
-        self._rx.forget(self._pool.peer_gone(ch.id))
+        self._peer_gone(ch.id)
         ch.end_reads()  # now, or by a caller reading it when it gives the read token back
         pending, ch.pending = ch.pending, {}
         for p in pending.values():
@@ -896,6 +906,11 @@ class UnixTransport:
         self._fail_all()
         for ch in list(self._peers.values()):
             ch.state = DEAD
+        # what was handed to the loop and not run (a caller's own read hands its messages on
+        # with the read token): run now, so that each token is given back (their messages
+        # are dropped: the channels are dead) and every read side below is closed
+        self._rx.run_calls()
+        for ch in list(self._peers.values()):
             ch.close_socket(shutdown_only_if_busy=False)
             ch.end_reads()
         if self._acceptor is not None:

@@ -89,6 +89,18 @@ class ProtocolError(ValueError):
     """An admitted connection broke the framing: it is closed, its peer is not judged dead
     (NOTE [Protocol errors] in rrefrt_transport.unix.transport)."""
 
+    def cause(self) -> str:
+        """Why the connection is closed, as its close and the log say it."""
+        return f"it broke the same-host framing ({self})"
+
+
+class FdsDropped(ProtocolError):
+    """The kernel dropped file descriptors the peer sent (``MSG_CTRUNC``): this process had
+    none free. Closed the same way; the cause is ours, not the peer's."""
+
+    def cause(self) -> str:
+        return str(self)
+
 
 # ------------------------------------------------------------------ admission
 def hello(my_id: int, my_inc: int, my_limit: int) -> tuple[bytes, bytes]:

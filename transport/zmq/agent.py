@@ -255,10 +255,14 @@ class ZmqTransport:
         contact = mesh.contacts(self.id, [s.id for s, *_ in plan], self._eager, self.config.join_fanout)
         members = [(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan]
         self._setups.append(None)  # before the heartbeat can hear anyone: see _check_all_up
-        if self._eager:  # before the data loop's setup: a first contact must find them known
-            self._hb.join(members, timeout)
-        else:
-            self._hb.know(members)
+        try:
+            if self._eager:  # before the data loop's setup: a first contact must find them known
+                self._hb.join(members, timeout)
+            else:
+                self._hb.know(members)
+        except BaseException:
+            self._setups.pop()
+            raise
         awaited = {s.id for s, *_ in plan} if self._eager else contact
         self._queue_setup(plan, contact, awaited)
         joined = self._all_up.wait(timeout)
@@ -287,16 +291,20 @@ class ZmqTransport:
             self._join_error = None
             members = [(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps]
             self._setups.append(None)  # before the heartbeat can hear them: see _check_all_up
-            if self._eager or contact:
-                self._hb.join(members, timeout if timeout > 0 else None)
-            else:
-                self._hb.know(members)
+            try:
+                if self._eager or contact:
+                    self._hb.join(members, timeout if timeout > 0 else None)
+                else:
+                    self._hb.know(members)
+            except BaseException:
+                self._setups.pop()
+                raise
             if awaited:
                 self._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
             self._queue_setup(steps, contact, awaited)
         elif contact:
-            self._all_up.clear()
             self._setups.append(None)
+            self._all_up.clear()
             self._queue_setup([], contact, awaited)
         if timeout <= 0:
             return
@@ -841,6 +849,8 @@ class ZmqTransport:
             return
         if peer.rid is None:  # first use (NOTE [Lazy connections] (2))
             self._contact(peer)
+        if self._over_limit(peer, frames):
+            return
         if peer.backlog or not peer.joined or not self._try_send(peer, frames):
             peer.backlog.append(frames)
 
@@ -868,22 +878,32 @@ class ZmqTransport:
         return True
 
     def _flush_backlog(self, peer: Peer) -> None:
-        limit = self._peer_max.get(peer.spec.id)  # its HELLO came: what waited is checked against it
         while peer.backlog and peer.joined:
             frames = peer.backlog[0]
-            if limit is not None and sum(nbytes(f) for f in frames[1:]) > limit:
+            if self._over_limit(peer, frames):  # its HELLO came: what waited is checked against it
                 peer.backlog.popleft()
-                self._refuse_too_large(peer, frames, limit)
                 continue
             if not self._try_send(peer, frames):
                 return
             peer.backlog.popleft()
 
-    def _refuse_too_large(self, peer: Peer, frames: list, limit: int) -> None:
-        """Data loop: a message queued before ``peer``'s HELLO told its limit is over it. It is
-        not sent (the receiver's libzmq would drop the connection with it, and the request
-        would only time out): its request fails with MessageTooLarge, as at the call site."""
+    def _over_limit(self, peer: Peer, frames: list) -> bool:
+        """Data loop: whether ``frames`` (header first) is over the limit ``peer``'s HELLO
+        told; if so it is refused here. The call site checked it against our own limit when
+        the peer's was not known yet (lazy connections: before the first contact)."""
+        limit = self._peer_max.get(peer.spec.id)
+        if limit is None or limit >= self.config.max_message_size:
+            return False
         size = sum(nbytes(f) for f in frames[1:])
+        if size <= limit:
+            return False
+        self._refuse_too_large(peer, frames, size, limit)
+        return True
+
+    def _refuse_too_large(self, peer: Peer, frames: list, size: int, limit: int) -> None:
+        """Data loop: a message over ``peer``'s limit is not sent (the receiver's libzmq would
+        drop the connection with it, and a request would only time out): its request fails
+        with MessageTooLarge, as at the call site."""
         lend.drop(frames)
         self.stats["messages_too_large"] += 1
         err = MessageTooLarge(f"message of {size} bytes exceeds the limit of worker {peer.spec.name!r} of {limit} bytes")
