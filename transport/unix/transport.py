@@ -255,7 +255,8 @@ class UnixTransport:
         peers = list(self._peers.values())
         for key, n in (("messages_sent", self._n_sent), ("messages_received", self._rx.n_received),
                        ("bytes_sent", sum(p.bytes_sent for p in peers)),
-                       ("bytes_received", sum(p.bytes_received for p in peers))):
+                       ("bytes_received", sum(p.bytes_received for p in peers)),
+                       ("shm_segments_dropped", self._pool.dropped())):  # NOTE [Segments] (3) in shm.py
             if n:
                 c[key] = n
         return c
@@ -740,7 +741,7 @@ class UnixTransport:
         self._stats["shm_frames_sent"] += len(big)
         bufs = unix_wire.encode(kind, msg_id, meta, views, (seg.id, attach, flags, seg.lease))
         if not ch.write(bufs, (seg.fd,) if attach else (), deadline):  # the peer is gone
-            self._peer_gone(ch.id)
+            self._rx.forget(self._pool.peer_gone(ch.id))
             return False
         self._n_sent += 1
         return True
@@ -748,13 +749,6 @@ class UnixTransport:
     def _local(self, kind: int, msg_id: int, meta: Any, frames: Sequence[Any]) -> None:
         snap = [bytes(memoryview(f).cast("B")) for f in frames]
         self._rx.call_soon(lambda: self._rx.dispatch(None, kind, msg_id, meta, snap))
-
-    def _peer_gone(self, peer: int) -> None:
-        """The segments lent to ``peer`` come back, or are closed (NOTE [Segments] (3) in shm.py:
-        counted as ``shm_segments_dropped``); the peers that hold a closed one forget it."""
-        before = self._pool.dropped()
-        self._rx.forget(self._pool.peer_gone(peer))
-        self._stats["shm_segments_dropped"] += self._pool.dropped() - before
 
     def _expire(self, p: Pending, msg_id: int) -> None:
         """Loop thread: ``p``'s deadline passed unanswered."""
@@ -851,7 +845,7 @@ class UnixTransport:
         self._rx.unwatch(ch)
         ch.close_socket()
         ch.drop_queue()
-        self._peer_gone(ch.id)
+        self._rx.forget(self._pool.peer_gone(ch.id))  # NOTE [Segments] (3) in shm.py
         ch.end_reads()  # now, or by a caller reading it when it gives the read token back
         pending, ch.pending = ch.pending, {}
         for p in pending.values():

@@ -254,17 +254,10 @@ class ZmqTransport:
         plan = self._plan(peers)
         contact = mesh.contacts(self.id, [s.id for s, *_ in plan], self._eager, self.config.join_fanout)
         members = [(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in plan]
-        self._setups.append(None)  # before the heartbeat can hear anyone: see _check_all_up
-        try:
-            if self._eager:  # before the data loop's setup: a first contact must find them known
-                self._hb.join(members, timeout)
-            else:
-                self._hb.know(members)
-        except BaseException:
-            self._setups.pop()
-            raise
         awaited = {s.id for s, *_ in plan} if self._eager else contact
-        self._queue_setup(plan, contact, awaited)
+        # before the data loop's setup: a first contact must find them known
+        learn = (lambda: self._hb.join(members, timeout)) if self._eager else (lambda: self._hb.know(members))
+        self._queue_setup(learn, plan, contact, awaited)
         joined = self._all_up.wait(timeout)
         if self._join_error is not None:
             raise self._join_error
@@ -290,22 +283,14 @@ class ZmqTransport:
             self._adding.update({s.id: s.incarnation for s in fresh})
             self._join_error = None
             members = [(s.id, s.name, s.incarnation, live, echo) for s, _, _, live, echo in steps]
-            self._setups.append(None)  # before the heartbeat can hear them: see _check_all_up
-            try:
-                if self._eager or contact:
-                    self._hb.join(members, timeout if timeout > 0 else None)
-                else:
-                    self._hb.know(members)
-            except BaseException:
-                self._setups.pop()
-                raise
-            if awaited:
-                self._all_up.clear()  # the mesh is forming again: HELLOs go out (``_tend``)
-            self._queue_setup(steps, contact, awaited)
+            if self._eager or contact:
+                learn = lambda: self._hb.join(members, timeout if timeout > 0 else None)  # noqa: E731
+            else:
+                learn = lambda: self._hb.know(members)  # noqa: E731
+            # awaited: the mesh is forming again, HELLOs go out (``_tend``)
+            self._queue_setup(learn, steps, contact, awaited, clear=bool(awaited))
         elif contact:
-            self._setups.append(None)
-            self._all_up.clear()
-            self._queue_setup([], contact, awaited)
+            self._queue_setup(lambda: None, [], contact, awaited, clear=True)
         if timeout <= 0:
             return
         deadline = time.monotonic() + timeout
@@ -446,10 +431,12 @@ class ZmqTransport:
         except LoopClosed:
             pass
 
-    def _queue_setup(self, steps: mesh.Plan, contact: set[int], awaited: set[int]) -> None:
-        """Hand a join's setup to the data loop. ``_setups`` holds one entry per setup queued
-        and not run yet: the caller appends it before the heartbeat learns the new members,
-        the setup removes it once it ran."""
+    def _queue_setup(self, learn: Callable[[], None], steps: mesh.Plan, contact: set[int], awaited: set[int],
+                     clear: bool = False) -> None:
+        """Tell the heartbeat the join's members (``learn``), then hand the join's setup to the
+        data loop (``clear``: the join waits, ``_all_up`` is cleared first). ``_setups`` holds
+        one entry per setup not run yet, from before the heartbeat can hear a new member
+        until the data loop ran the setup (``_check_all_up``)."""
         def run() -> None:
             try:
                 self._setup(steps, contact, awaited)
@@ -457,7 +444,11 @@ class ZmqTransport:
                 self._setups.pop()
                 self._check_all_up()
 
+        self._setups.append(None)
         try:
+            learn()
+            if clear:
+                self._all_up.clear()
             self._loop.call_soon(run)
         except BaseException:
             self._setups.pop()
@@ -765,8 +756,11 @@ class ZmqTransport:
         size = sum(nbytes(f) for f in frames)
         limit = min(self.config.max_message_size, self.peer_limit(dest))
         if size > limit:
-            whose = "" if limit == self.config.max_message_size else f" of worker {self.peer_name(dest)!r}"
-            raise MessageTooLarge(f"message of {size} bytes exceeds the limit{whose} of {limit} bytes")
+            raise self._too_large(dest, size, limit)
+
+    def _too_large(self, dest: int, size: int, limit: int) -> MessageTooLarge:
+        whose = "" if limit == self.config.max_message_size else f" of worker {self.peer_name(dest)!r}"
+        return MessageTooLarge(f"message of {size} bytes exceeds the limit{whose} of {limit} bytes")
 
     def _prepare(self, dest: int, header: bytes, frames: Sequence[Any]) -> list[Any]:
         """NOTE [Lent frames] in rrefrt_transport.zmq.lend: large buffers lent, small ones copied."""
@@ -906,7 +900,7 @@ class ZmqTransport:
         with MessageTooLarge, as at the call site."""
         lend.drop(frames)
         self.stats["messages_too_large"] += 1
-        err = MessageTooLarge(f"message of {size} bytes exceeds the limit of worker {peer.spec.name!r} of {limit} bytes")
+        err = self._too_large(peer.spec.id, size, limit)
         try:
             kind, msg_id, _ = wire.decode_header(bytes(frames[0]))
         except wire.MalformedMessage:
